@@ -1,0 +1,66 @@
+"""The offline frontend: tokenizer + EngineCore + OutputProcessor, stepped by the caller."""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from ladle.config import EngineArgs
+from ladle.engine.core import EngineCore
+from ladle.engine.output_processor import OutputProcessor
+from ladle.outputs import RequestOutput
+from ladle.request import Request
+from ladle.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
+        self.core = EngineCore(args, explicit)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.core.config.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
+        args, explicit = EngineArgs.from_kwargs(**kwargs)
+        return cls(args, explicit)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"a prompt is a str, {{'prompt_token_ids': [...]}} or {{'prompt': str}}; got {type(prompt).__name__}")
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
+        """The core requests for one user request (n of them for n > 1), checked so that they can run."""
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        reqs = [self.core.make_request(cid, prompt_token_ids, params.for_child(i)) for i, cid in enumerate(ids)]
+        self.core.check_request(reqs[0])
+        return reqs
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, requests: list[Request] | None = None) -> None:
+        if requests is None:
+            requests = self.make_requests(request_id, prompt_token_ids, params)
+        for req in requests:
+            self.core.add_request(req)
+        self.processor.add(request_id, prompt, prompt_token_ids, params, [r.request_id for r in requests])
+
+    def abort_request(self, child_ids: list[str]) -> None:
+        self.processor.process(self.core.abort_requests(child_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs

@@ -1,0 +1,82 @@
+"""Turns core outputs into RequestOutputs: detokenizes, applies stop strings, folds n>1 children together.
+
+Stop strings are text, so they are found here, on the frontend, and the core is told to abort the child.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ladle.engine.core import EngineCoreOutput
+from ladle.engine.detokenizer import IncrementalDetokenizer
+from ladle.outputs import CompletionOutput, Logprob, RequestOutput
+from ladle.sampling_params import SamplingParams
+
+
+@dataclass
+class _Child:
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, RequestOutput] = {}
+        self.children: dict[str, _Child] = {}
+
+    def add(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        child_ids: list[str],
+    ) -> None:
+        out = RequestOutput(request_id, prompt, prompt_token_ids)
+        for index, child_id in enumerate(child_ids):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            self.children[child_id] = _Child(request_id, index, detok)
+            out.outputs.append(CompletionOutput(index, "", [], [] if params.logprobs is not None else None))
+        self.parents[request_id] = out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs touched (finished ones leave the processor) and child ids to abort."""
+        touched: dict[str, RequestOutput] = {}
+        to_abort: list[str] = []
+        for co in core_outputs:
+            child = self.children.get(co.request_id)
+            if child is None:
+                continue
+            parent = self.parents[child.parent_id]
+            comp = parent.outputs[child.index]
+            comp.token_ids.extend(co.new_token_ids)
+            if comp.logprobs is not None:
+                comp.logprobs.extend(self._decoded(lp) for lp in co.new_logprobs)
+            stop_str = child.detok.update(co.new_token_ids)
+            comp.text = child.detok.output_text
+            if stop_str is not None and co.finish_reason is None:
+                comp.finish_reason, comp.stop_reason = "stop", stop_str
+                to_abort.append(co.request_id)
+            elif stop_str is not None:
+                comp.finish_reason, comp.stop_reason = "stop", stop_str
+            elif co.finish_reason is not None:
+                comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
+            if comp.finish_reason is not None:
+                del self.children[co.request_id]
+            touched[parent.request_id] = parent
+        for rid, parent in touched.items():
+            if all(c.finish_reason is not None for c in parent.outputs):
+                parent.finished = True
+                del self.parents[rid]
+        return list(touched.values()), to_abort
+
+    def _decoded(self, logprobs: dict[int, Logprob] | None) -> dict[int, Logprob]:
+        if logprobs is None:
+            return {}
+        for tid, lp in logprobs.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return logprobs

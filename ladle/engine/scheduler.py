@@ -1,0 +1,171 @@
+"""Token-budget scheduler with chunked prefill (Sarathi-style order, vLLM v1-style accounting).
+
+Each step serves, within max_num_batched_tokens: running decodes first, then running partial prefills,
+then waiting requests FCFS. Every prefill chunk is min(remaining, max_prefill_length, remaining budget),
+so no forward call sees more tokens than the budget and no request more than its chunk cap.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from ladle.config import EngineConfig
+from ladle.engine.kv_cache import KVCacheManager
+from ladle.request import Request, RequestRejected, RequestStatus
+
+logger = logging.getLogger("ladle.scheduler")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start_pos: int  # num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """A token is sampled only when this chunk reaches the end of the request's known tokens."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.start_pos >= s.request.num_prompt_tokens)
+
+    @property
+    def num_prefill_chunks(self) -> int:
+        return len(self.scheduled) - self.num_decodes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self.num_preemptions = 0
+
+    def check(self, request: Request) -> None:
+        """Reject now what could never run, so it never waits at the head of the queue."""
+        cfg = self.config
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > cfg.max_model_len:
+            raise RequestRejected(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
+                f"exceeds max_model_len={cfg.max_model_len}; shorten the prompt or lower max_tokens",
+                code="context_length_exceeded",
+            )
+        need = self.kv.blocks_for(total)
+        if need > self.kv.num_blocks:
+            raise RequestRejected(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) needs {need} "
+                f"KV blocks of {cfg.block_size} tokens, but the whole pool has {self.kv.num_blocks} "
+                f"({self.kv.num_blocks * cfg.block_size} tokens); raise num_kv_blocks or lower max_tokens",
+                code="kv_cache_too_small",
+            )
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        decodes = [r for r in self.running if not r.is_prefilling]
+        prefills = [r for r in self.running if r.is_prefilling]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            n = self._chunk(req, budget)
+            if not self._reserve(req, n, scheduled_ids, out):
+                continue
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+        # A step that preempted is short of blocks: admitting now would only thrash.
+        while budget > 0 and self.waiting and not out.preempted_ids and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            # Admission on the whole (re)prefill, so an admitted prompt never stalls between chunks.
+            if not self.kv.allocate(req.request_id, req.num_tokens):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = self._chunk(req, budget)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+        for s in out.scheduled:
+            if s.request.is_prefilling:
+                self._log_chunk(s)
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if req.is_prefilling:
+            return min(remaining, self.config.max_prefill_length, budget)
+        return min(remaining, budget)
+
+    def _reserve(self, req: Request, n: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
+        """Make room for n more tokens of req, preempting the newest unscheduled requests if needed."""
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the generated tokens, go to the front of the queue."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    def _log_chunk(self, s: ScheduledRequest) -> None:
+        req = s.request
+        remaining = req.num_tokens - s.start_pos
+        logger.debug(
+            "prefill chunk request=%s chunk_size=%d remain=%d cached=%d budget=%d chunked=%s",
+            req.request_id, s.num_new_tokens, remaining, s.start_pos,
+            min(self.config.max_prefill_length, self.config.max_num_batched_tokens),
+            s.num_new_tokens < remaining,
+        )
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+
+    def find(self, request_id: str) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req
+        return None

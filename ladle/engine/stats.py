@@ -1,0 +1,40 @@
+"""Counters the core keeps so tests and --profile read facts, not logs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    num_tokens: int
+    num_prefill_chunks: int
+    num_decodes: int
+    num_preempted: int
+    ms: float
+
+
+@dataclass
+class EngineStats:
+    steps: list[StepRecord] = field(default_factory=list)
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
+    generation_tokens: int = 0
+    prefill_chunks: dict[str, list[int]] = field(default_factory=dict)  # request id -> chunk sizes, in order
+
+    @property
+    def max_step_tokens(self) -> int:
+        return max((s.num_tokens for s in self.steps), default=0)
+
+    def profile_table(self) -> str:
+        lines = [f"{'step':>6} {'tokens':>7} {'chunks':>7} {'decodes':>8} {'preempt':>8} {'ms':>9}"]
+        for s in self.steps:
+            lines.append(
+                f"{s.step:>6} {s.num_tokens:>7} {s.num_prefill_chunks:>7} {s.num_decodes:>8} "
+                f"{s.num_preempted:>8} {s.ms:>9.2f}"
+            )
+        total_ms = sum(s.ms for s in self.steps)
+        lines.append(f"{len(self.steps)} steps, {sum(s.num_tokens for s in self.steps)} tokens, "
+                     f"largest step {self.max_step_tokens} tokens, {total_ms / 1000:.2f} s in steps, "
+                     f"{self.num_preemptions} preemptions")
+        return "\n".join(lines)

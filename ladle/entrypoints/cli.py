@@ -1,0 +1,133 @@
+"""`ladle generate | demo-model`: the command line over the offline LLM."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from ladle.sampling_params import SamplingParams
+
+DEFAULT_PROMPT = "The long prompt problem is"
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "ladle" / "demo-model"
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Engine flags in vLLM spelling. Defaults are SUPPRESS so only typed flags count as explicit."""
+    S = argparse.SUPPRESS
+    p.add_argument("--device", default=S, help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", default=S, help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=S, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-num-batched-tokens", type=int, default=S, help="tokens per forward call (default 2048)")
+    p.add_argument("--max-prefill-length", "--long-prefill-token-threshold", dest="max_prefill_length",
+                   type=int, default=S, help="prompt tokens of one request per step (default: the step budget)")
+    p.add_argument("--max-num-seqs", "--batch-size", dest="max_num_seqs", type=int, default=S,
+                   help="requests running at once (default 256)")
+    p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
+                   help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument("--seed", type=int, default=S)
+
+
+ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
+               "max_num_seqs", "block_size", "num_kv_blocks", "seed")
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from ladle.demo import build_demo_model
+
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        print(f"no --model given: building the demo model in {path}", file=sys.stderr)
+        build_demo_model(str(path))
+    print(f"using the demo model at {path}: its weights are RANDOM, so its text is gibberish; "
+          "pass --model DIR for a real checkpoint", file=sys.stderr)
+    return str(path)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ladle.entrypoints.llm import LLM
+
+    prompts = list(args.prompt or [])
+    for f in args.prompt_file or []:
+        prompts.append(Path(f).read_text())
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    prompts = prompts * args.num_copies
+    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    llm = LLM(resolve_model(args.model), **engine_kwargs)
+    print(llm.config.table(), file=sys.stderr)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                            ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"--- request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
+              f"{len(c.token_ids)} generated, finish_reason={c.finish_reason}")
+        print(c.text)
+    stats = llm.stats
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    if args.profile:
+        print(stats.profile_table())
+    print(f"{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
+          f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; "
+          f"largest step {stats.max_step_tokens} tokens; {stats.num_preemptions} preemptions")
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from ladle.demo import build_demo_model
+
+    path = build_demo_model(args.dir)
+    print(f"wrote the demo model (Qwen3 architecture, RANDOM weights) to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladle", description="LLM inference with memory-bounded chunked prefill")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG shows one line per prefill chunk")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch generation")
+    gen.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
+    gen.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt; repeatable")
+    gen.add_argument("--num-copies", type=int, default=1, help="submit every prompt this many times")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--profile", action="store_true", help="print a per-step table at the end")
+    gen.add_argument("--no-progress", action="store_true")
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights")
+    demo.add_argument("dir")
+    demo.set_defaults(func=cmd_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

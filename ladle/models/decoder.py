@@ -1,0 +1,98 @@
+"""The decoder-only causal LM that Qwen3 and Llama share; parameter names follow the HF checkpoints."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from ladle.worker.inputs import AttentionMetadata
+
+# Checkpoint entries that hold no parameter (old exports saved the rope table).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"only full attention is supported; config has layer_types {sorted(set(layer_types))}")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Subclasses only choose the per-model knobs (q/k norm); biases are read from the config."""
+
+    qk_norm: bool = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab], computed in the model dtype like HF."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters (casting dtype and device); returns the names loaded.
+
+        Raises on a name no parameter has, or a shape mismatch, so a wrong checkpoint fails loudly.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        tied_head: torch.Tensor | None = None
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                tied_head = tensor  # HF ties lm_head to the embedding; used only if the embedding is absent
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+        embed = "model.embed_tokens.weight"
+        if tied_head is not None and embed not in loaded:
+            params[embed].copy_(tied_head)
+            loaded.add(embed)
+        return loaded

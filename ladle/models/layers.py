@@ -1,0 +1,170 @@
+"""Building blocks shared by the decoder-only models, written to match HF transformers numerically."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.worker.attention import paged_attention
+from ladle.worker.inputs import AttentionMetadata
+
+# Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight multiply, exactly as HF does.
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings as one dict with at least rope_type and rope_theta.
+
+    transformers 5.x keeps them in config.rope_parameters; 4.x configs carry rope_theta and rope_scaling.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for explicit per-token positions; inv_freq comes from HF's own rope init functions."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        params = rope_parameters(config)
+        self.rope_type: str = params["rope_type"]
+        if self.rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {_STATIC_ROPE_TYPES}")
+        self.rope_theta = float(params["rope_theta"])
+        self.head_dim = head_dim_of(config)
+        self.attention_scaling = 1.0
+        self.register_buffer("inv_freq", torch.empty(self.head_dim // 2), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute inv_freq in fp32 on the buffer's device; the loader calls this after building on meta."""
+        device = self.inv_freq.device
+        if device.type == "meta":
+            return
+        if self.rope_type == "default":
+            steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+            inv_freq, scaling = 1.0 / (self.rope_theta ** (steps / self.head_dim)), 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim] in dtype (computed in fp32 first, like HF)."""
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; only 'silu'")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Self-attention with GQA, optional per-head q/k RMSNorm (Qwen3), over the paged KV cache."""
+
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of {self.num_kv_heads}")
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, qk_norm)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), config.hidden_act
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,78 @@
+"""Build a model from a local HF checkpoint directory (config.json + safetensors)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ladle.models.layers import RotaryEmbedding, head_dim_of
+from ladle.models.registry import model_class_for
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint: the shards its index lists, or the single file."""
+    index = os.path.join(model_dir, _INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{_INDEX_FILE} lists shards that do not exist: {missing}")
+        return files
+    single = os.path.join(model_dir, _SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {model_dir}")
+
+
+def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """Build the model for model_dir's config on device in dtype and load its safetensors weights."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist (only local checkpoints are loaded)")
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model_cls = model_class_for(config)
+    files = checkpoint_files(model_dir)
+    device = torch.device(device)
+
+    # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32
+
+    loaded = model.load_weights(
+        (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)
+    )
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def kv_cache_shape_params(config: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim): what the KV pool needs to know about the model."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim_of(config)

@@ -1,0 +1,108 @@
+"""Per-step model inputs, built by pure functions and passed to the model explicitly (no globals).
+
+KV pool layout, per layer: a (k_cache, v_cache) pair, each [num_blocks, block_size, num_kv_heads, head_dim].
+A token at position p of a request lives in slot block_ids[p // block_size] * block_size + p % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: its new tokens, where they start, and its blocks."""
+
+    token_ids: list[int]  # tokens whose KV this step computes (a prefill chunk, or one decode token)
+    start_pos: int  # tokens of this request already in the KV cache (num_computed_tokens)
+    block_ids: list[int]  # the request's block table; covers start_pos + len(token_ids) tokens
+    sample: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: new tokens of request i are rows cu[i]:cu[i+1]
+    context_lens: torch.Tensor  # [B] int32: KV length of request i after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
+    query_lens: tuple[int, ...]  # host copies, so a CPU backend can loop without device syncs
+    context_lens_host: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: rows of the hidden states whose next token is sampled
+    sampled_rows: tuple[int, ...]  # index into the chunk list of each sampled row, in logits order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def positions_for(chunks: list[ScheduledChunk]) -> list[int]:
+    return [c.start_pos + i for c in chunks for i in range(len(c.token_ids))]
+
+
+def slot_mapping_for(chunks: list[ScheduledChunk], block_size: int) -> list[int]:
+    slots = []
+    for c in chunks:
+        for pos in range(c.start_pos, c.start_pos + len(c.token_ids)):
+            slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def cu_seqlens_for(chunks: list[ScheduledChunk]) -> list[int]:
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + len(c.token_ids))
+    return cu
+
+
+def block_table_rows(chunks: list[ScheduledChunk], block_size: int) -> list[list[int]]:
+    """Each request's blocks that hold its context after this step, padded with 0 to a common width."""
+    rows = [c.block_ids[: -(-(c.start_pos + len(c.token_ids)) // block_size)] for c in chunks]
+    width = max((len(r) for r in rows), default=0)
+    return [r + [0] * (width - len(r)) for r in rows]
+
+
+def build_step_inputs(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu"
+) -> StepInputs:
+    if not chunks or any(not c.token_ids for c in chunks):
+        raise ValueError("a step needs at least one chunk, and every chunk at least one token")
+    for c in chunks:
+        needed = -(-(c.start_pos + len(c.token_ids)) // block_size)
+        if len(c.block_ids) < needed:
+            raise ValueError(f"chunk needs {needed} blocks for {c.start_pos + len(c.token_ids)} tokens, has {len(c.block_ids)}")
+    cu = cu_seqlens_for(chunks)
+    context = [c.start_pos + len(c.token_ids) for c in chunks]
+    sampled_rows = tuple(i for i, c in enumerate(chunks) if c.sample)
+
+    def as_tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    attn = AttentionMetadata(
+        slot_mapping=as_tensor(slot_mapping_for(chunks, block_size), torch.int64),
+        cu_seqlens_q=as_tensor(cu, torch.int32),
+        context_lens=as_tensor(context, torch.int32),
+        block_tables=as_tensor(block_table_rows(chunks, block_size), torch.int32),
+        query_lens=tuple(len(c.token_ids) for c in chunks),
+        context_lens_host=tuple(context),
+        block_size=block_size,
+    )
+    return StepInputs(
+        input_ids=as_tensor([t for c in chunks for t in c.token_ids], torch.int64),
+        positions=as_tensor(positions_for(chunks), torch.int64),
+        attn=attn,
+        logits_indices=as_tensor([cu[i + 1] - 1 for i in sampled_rows], torch.int64),
+        sampled_rows=sampled_rows,
+    )

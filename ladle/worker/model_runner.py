@@ -1,0 +1,73 @@
+"""Runs one scheduled step: builds the inputs, calls the model, samples. Nothing else calls the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ladle.engine.scheduler import SchedulerOutput
+from ladle.outputs import Logprob
+from ladle.worker.inputs import ScheduledChunk, StepInputs, build_step_inputs
+from ladle.worker.sampler import Sampler, SamplingMetadata
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+
+
+def allocate_kv_caches(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int, device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    def prepare(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
+        chunks = [
+            ScheduledChunk(
+                token_ids=s.request.all_token_ids[s.start_pos : s.start_pos + s.num_new_tokens],
+                start_pos=s.start_pos,
+                block_ids=block_tables[s.request.request_id],
+                sample=s.samples,
+            )
+            for s in sched.scheduled
+        ]
+        return build_step_inputs(chunks, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
+        inputs = self.prepare(sched, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if not inputs.sampled_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [sched.scheduled[i].request for i in inputs.sampled_rows]
+        meta = SamplingMetadata(
+            params=[r.sampling_params for r in requests],
+            generators=[r.generator for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            stop_token_ids=[r.stop_token_ids for r in requests],
+        )
+        out = self.sampler(logits, meta)
+        return {
+            r.request_id: SampledToken(tok, lp)
+            for r, tok, lp in zip(requests, out.token_ids, out.logprobs)
+        }

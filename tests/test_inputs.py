@@ -1,0 +1,41 @@
+"""The pure builders of per-step metadata, for mixed steps with prefix offsets."""
+import pytest
+import torch
+
+from ladle.worker.inputs import ScheduledChunk, build_step_inputs, slot_mapping_for
+
+
+def test_mixed_step_metadata():
+    bs = 4
+    chunks = [
+        ScheduledChunk(token_ids=[11, 12, 13], start_pos=5, block_ids=[7, 2], sample=False),  # chunk at offset 5
+        ScheduledChunk(token_ids=[21], start_pos=9, block_ids=[0, 3, 9], sample=True),  # a decode
+        ScheduledChunk(token_ids=[31, 32], start_pos=0, block_ids=[5], sample=True),  # a new prompt's last chunk
+    ]
+    inp = build_step_inputs(chunks, bs)
+    assert inp.input_ids.tolist() == [11, 12, 13, 21, 31, 32]
+    assert inp.positions.tolist() == [5, 6, 7, 9, 0, 1]
+    # pos 5,6,7 -> block index 1 (id 2) offsets 1,2,3; pos 9 -> block index 2 (id 9) offset 1; pos 0,1 -> id 5
+    assert inp.attn.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1]
+    assert inp.attn.cu_seqlens_q.tolist() == [0, 3, 4, 6]
+    assert inp.attn.context_lens.tolist() == [8, 10, 2]
+    assert inp.attn.query_lens == (3, 1, 2)
+    assert inp.attn.block_tables.tolist() == [[7, 2, 0], [0, 3, 9], [5, 0, 0]]
+    assert inp.attn.block_tables.dtype == torch.int32
+    assert inp.logits_indices.tolist() == [3, 5]  # last row of each sampled chunk
+    assert inp.sampled_rows == (1, 2)
+
+
+def test_chunk_boundary_on_block_edge():
+    chunks = [ScheduledChunk(token_ids=[1] * 4, start_pos=4, block_ids=[3, 1, 8], sample=False)]
+    assert slot_mapping_for(chunks, 4) == [4, 5, 6, 7]
+    inp = build_step_inputs(chunks, 4)
+    assert inp.attn.block_tables.tolist() == [[3, 1]]  # only blocks holding context after the step
+    assert inp.logits_indices.tolist() == []
+
+
+def test_too_few_blocks_is_an_error():
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        build_step_inputs([ScheduledChunk([1, 2, 3], start_pos=3, block_ids=[0], sample=True)], 4)
+    with pytest.raises(ValueError):
+        build_step_inputs([], 4)
