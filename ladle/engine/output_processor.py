@@ -33,7 +33,7 @@ class OutputProcessor:
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens,
+                params.skip_special_tokens, min_tokens=params.min_tokens,
             )
             self.children[child_id] = _Child(request_id, index, detok)
             out.outputs.append(CompletionOutput(index, "", [], [] if params.logprobs is not None else None))
@@ -55,17 +55,18 @@ class OutputProcessor:
             comp.token_ids.extend(co.new_token_ids)
             if comp.logprobs is not None:
                 comp.logprobs.extend(self._decoded(lp) for lp in co.new_logprobs)
-            stop_str = child.detok.update(co.new_token_ids)
-            comp.text = child.detok.output_text
-            if stop_str is not None and co.finish_reason is None:
-                comp.finish_reason, comp.stop_reason = "stop", stop_str
-                to_abort.append(co.request_id)
-            elif stop_str is not None:
+            # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
+            stop_str = child.detok.update(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
+            if stop_str is not None:
+                if co.finish_reason is None:
+                    to_abort.append(co.request_id)
                 comp.finish_reason, comp.stop_reason = "stop", stop_str
             elif co.finish_reason is not None:
                 comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
             if comp.finish_reason is not None:
+                child.detok.finish()
                 del self.children[co.request_id]
+            comp.text = child.detok.output_text
             touched[parent.request_id] = parent
         for rid, parent in touched.items():
             if all(c.finish_reason is not None for c in parent.outputs):

@@ -1,0 +1,82 @@
+"""Session fixtures: tiny random-weight checkpoints built offline, and HF transformers models as the oracle.
+
+Session-scoped because each build costs about a second; tests must treat the models and directories as
+read-only (copy a directory with shutil.copytree before changing it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ladle.demo import build_checkpoint
+
+_TINY: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+)
+
+# transformers 5 spells rope scaling `rope_parameters`, with rope_theta inside (it still accepts the old
+# `rope_scaling` key and writes `rope_parameters`). With head_dim 16 and theta 5e5 the rotary wavelengths
+# (6, 33, 168, 868, ...) fall in all three llama3 bands: < 128 kept, 128..512 smoothed, > 512 divided.
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 512,
+}
+
+
+def _load_hf(model_dir: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3, tied embeddings, vocab 512, 2 layers, GQA 4/2 heads, head_dim 16, context 4096."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", **_TINY, tie_word_embeddings=True, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama 3 style: untied embeddings and llama3 rope scaling (factor 8 over 512 positions)."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama"),
+        "llama",
+        **_TINY,
+        tie_word_embeddings=False,
+        seed=1,
+        rope_parameters=dict(LLAMA3_ROPE),
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(tiny_qwen3_dir: str) -> Any:
+    return _load_hf(tiny_qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tiny_llama_dir: str) -> Any:
+    return _load_hf(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_qwen3_dir: str) -> Any:
+    """The ChatML byte-level BPE of the tiny checkpoints (both share it: same corpus, same vocab size)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+
