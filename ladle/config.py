@@ -29,8 +29,8 @@ class EngineArgs:
     max_prefill_length: int | None = None  # per-request chunk cap; default: max_num_batched_tokens
     max_num_seqs: int = 256
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length requests, within memory
-    kv_cache_memory_fraction: float = 0.4  # share of free memory the default KV pool may take
+    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: 40% of free memory, at most 1 GiB on CPU
     seed: int = 0
 
     @classmethod
@@ -146,12 +146,16 @@ def resolve_config(
 
     blocks_per_seq = -(-max_model_len // block_size)
     if args.num_kv_blocks is None:
-        affordable = int(free_memory * args.kv_cache_memory_fraction) // (kv_bytes_per_token * block_size)
-        wanted = blocks_per_seq * max_num_seqs
-        num_blocks = max(blocks_per_seq, min(wanted, affordable))
-        put("num_kv_blocks", num_blocks,
-            f"min({max_num_seqs} seqs x {blocks_per_seq} blocks, {args.kv_cache_memory_fraction:.0%} of "
-            f"{free_memory / 2**30:.1f} GiB free), at least one max_model_len request")
+        if args.kv_cache_memory_bytes is None:
+            cap = 2**30 if device.type == "cpu" else free_memory
+            kv_bytes = put("kv_cache_memory_bytes", min(int(free_memory * 0.4), cap),
+                           f"40% of {free_memory / 2**30:.1f} GiB free" + (", at most 1 GiB on CPU" if device.type == "cpu" else ""))
+        else:
+            kv_bytes = put("kv_cache_memory_bytes", positive_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes))
+        affordable = kv_bytes // (kv_bytes_per_token * block_size)
+        num_blocks = max(blocks_per_seq, min(blocks_per_seq * max_num_seqs, affordable))
+        put("num_kv_blocks", num_blocks, f"kv_cache_memory_bytes / {kv_bytes_per_token * block_size} bytes per "
+            f"block, at most {max_num_seqs} x {blocks_per_seq}, at least one max_model_len request")
     else:
         num_blocks = put("num_kv_blocks", positive_int("num_kv_blocks", args.num_kv_blocks))
     put("seed", args.seed)
