@@ -10,10 +10,10 @@ def test_generate_prints_text_profile_and_summary(tiny_qwen3_dir, capsys, tmp_pa
     prompt_file.write_text("def f(x):\n    return x " * 20)
     rc = main(["generate", "--model", tiny_qwen3_dir, "--prompt", "hello world", "--prompt-file", str(prompt_file),
                "--max-new-tokens", "5", "--max-num-batched-tokens", "64", "--max-prefill-length", "32",
-               "--profile", "--no-progress"])
+               "--batch-size", "3", "--profile", "--no-progress"])
     captured = capsys.readouterr()
     assert rc == 0
-    assert captured.out.count("--- request") == 2
+    assert captured.out.count("--- request") == 3  # batch of 3 requests cycling through the 2 prompts
     assert "step  tokens  chunks  decodes" in captured.out
     assert "largest step" in captured.out
     # The resolved settings table marks typed flags explicit and the rest default or derived.
@@ -50,3 +50,11 @@ def test_one_debug_line_per_prefill_chunk(tiny_qwen3_dir, caplog):
         "prefill chunk request=0 chunk_size=40 remain=60 cached=40 budget=40 chunked=True",
         "prefill chunk request=0 chunk_size=20 remain=20 cached=80 budget=40 chunked=False",
     ]
+
+
+def test_vllm_alias_long_prefill_token_threshold(tiny_qwen3_dir):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    assert llm.config.max_prefill_length == 24
+    assert llm.config.settings["max_prefill_length"].source == "explicit"
+    llm.generate({"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.stats.prefill_chunks["0"] == [24, 24, 2]

@@ -27,7 +27,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=S, help="tokens per forward call (default 2048)")
     p.add_argument("--max-prefill-length", "--long-prefill-token-threshold", dest="max_prefill_length",
                    type=int, default=S, help="prompt tokens of one request per step (default: the step budget)")
-    p.add_argument("--max-num-seqs", "--batch-size", dest="max_num_seqs", type=int, default=S,
+    p.add_argument("--max-num-seqs", type=int, default=S,
                    help="requests running at once (default 256)")
     p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
@@ -61,7 +61,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts.append(Path(f).read_text())
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    prompts = prompts * args.num_copies
+    if args.batch_size is not None:
+        if args.batch_size < len(prompts):
+            raise ValueError(f"--batch-size {args.batch_size} is smaller than the {len(prompts)} prompts given")
+        prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
     llm = LLM(resolve_model(args.model), **engine_kwargs)
     print(llm.config.table(), file=sys.stderr)
@@ -103,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     gen.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt; repeatable")
-    gen.add_argument("--num-copies", type=int, default=1, help="submit every prompt this many times")
+    gen.add_argument("--batch-size", type=int, default=None,
+                     help="submit this many independent requests, cycling through the prompts")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
