@@ -127,7 +127,7 @@ class EngineCore:
         outs = []
         for s in sched.scheduled:
             req = s.request
-            if req.is_prefilling:
+            if s.is_prefill:
                 self.stats.prefill_chunks.setdefault(req.request_id, []).append(s.num_new_tokens)
                 self.stats.prompt_tokens += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens

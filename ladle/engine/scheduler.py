@@ -22,6 +22,7 @@ class ScheduledRequest:
     request: Request
     start_pos: int  # num_computed_tokens when scheduled
     num_new_tokens: int
+    is_prefill: bool  # a (re)prefill chunk rather than one decode token
 
     @property
     def samples(self) -> bool:
@@ -40,7 +41,7 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.start_pos >= s.request.num_prompt_tokens)
+        return sum(1 for s in self.scheduled if not s.is_prefill)
 
     @property
     def num_prefill_chunks(self) -> int:
@@ -95,7 +96,7 @@ class Scheduler:
             n = self._chunk(req, budget)
             if not self._reserve(req, n, scheduled_ids, out):
                 continue
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.is_prefilling))
             scheduled_ids.add(req.request_id)
             budget -= n
         # A step that preempted is short of blocks: admitting now would only thrash.
@@ -108,11 +109,11 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = self._chunk(req, budget)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, is_prefill=True))
             scheduled_ids.add(req.request_id)
             budget -= n
         for s in out.scheduled:
-            if s.request.is_prefilling:
+            if s.is_prefill:
                 self._log_chunk(s)
         return out
 
