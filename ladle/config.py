@@ -31,6 +31,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # default: 40% of free memory, at most 1 GiB on CPU
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     @classmethod
@@ -68,6 +69,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int
     seed: int
+    enable_prefix_caching: bool = True
     settings: dict[str, Setting] = field(default_factory=dict)
 
     def table(self) -> str:
@@ -158,10 +160,11 @@ def resolve_config(
             f"block, at most {max_num_seqs} x {blocks_per_seq}, at least one max_model_len request")
     else:
         num_blocks = put("num_kv_blocks", positive_int("num_kv_blocks", args.num_kv_blocks))
+    put("enable_prefix_caching", bool(args.enable_prefix_caching))
     put("seed", args.seed)
     return EngineConfig(
         model=args.model, tokenizer=tokenizer or args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=max_model_len, max_num_batched_tokens=budget, max_prefill_length=chunk,
         max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_blocks, seed=args.seed,
-        settings=settings,
+        enable_prefix_caching=bool(args.enable_prefix_caching), settings=settings,
     )

@@ -32,11 +32,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
                    help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=S,
+                   help="reuse KV of shared prompt prefixes (default on)")
     p.add_argument("--seed", type=int, default=S)
 
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
-               "max_num_seqs", "block_size", "num_kv_blocks", "seed")
+               "max_num_seqs", "block_size", "num_kv_blocks", "enable_prefix_caching", "seed")
 
 
 def resolve_model(model: str | None) -> str:
