@@ -176,7 +176,9 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def test_paged_attention_matches_dense_reference() -> None:
+@pytest.mark.parametrize("tile,group_tokens", [(2048, 16384), (4, 8), (5, 16), (16, 1)])
+def test_paged_attention_matches_dense_reference(tile: int, group_tokens: int) -> None:
+    """Also with tiny context tiles and decode groups, so tile merging and tile edges are exercised."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, scale = 6, 2, 8, 0.3
     # (tokens already cached, new tokens): full prefills, offset chunks, and decodes of very different lengths
@@ -197,7 +199,7 @@ def test_paged_attention_matches_dense_reference() -> None:
     t = inputs.num_tokens
     q = torch.randn(t, heads, dim, generator=g)
     k, v = torch.randn(t, kv_heads, dim, generator=g), torch.randn(t, kv_heads, dim, generator=g)
-    out = paged_attention(q, k, v, k_cache, v_cache, inputs.attn, scale)
+    out = paged_attention(q, k, v, k_cache, v_cache, inputs.attn, scale, tile, group_tokens)
     assert out.shape == (t, heads, dim) and out.dtype == q.dtype
     row = 0
     for (start, n), (hk, hv) in zip(requests, history):

@@ -1,8 +1,10 @@
 """Torch reference attention over the paged KV cache, for steps that mix prefill chunks and decodes.
 
-Every request in a step attends to its whole context (cached tokens plus this step's chunk), gathered from
-the pool through its block table. Memory per request is bounded by Lq x ctx: the step's tokens are never
-scored against the concatenated context of the whole step.
+Workspace is bounded by the step, never by the context length: each request's context is read from the pool
+in tiles of at most `context_tile` tokens, and the partial results are merged through their log-sum-exp
+(flash-decoding style). A prefill chunk of Lq tokens at offset ctx - Lq attends to its cached prefix (every
+key visible, no mask) and to itself (a causal square), so no [Lq, ctx] mask is ever built. Decodes are
+batched in groups whose gathered keys stay under `decode_group_tokens`.
 """
 from __future__ import annotations
 
@@ -11,9 +13,8 @@ import torch.nn.functional as F
 
 from ladle.worker.inputs import AttentionMetadata
 
-# A decode group may pad its contexts to at most this multiple of their real total, so one long decode
-# cannot make a batch of short ones gather (and score) its full length each.
-_MAX_DECODE_PADDING = 2
+CONTEXT_TILE = 1024  # context tokens read from the pool per attention call
+DECODE_GROUP_TOKENS = 16384  # decodes x context tile gathered at once
 
 
 def write_kv(
@@ -25,61 +26,137 @@ def write_kv(
     v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, kvh, num_tokens, hd] keys or values, in the query dtype."""
+def _gather(cache: torch.Tensor, tables: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Tokens [start, end) of each row's context: [B, max_blocks] block ids -> [B, kvh, end - start, hd]."""
     block_size, kvh, hd = cache.shape[1:]
-    num_blocks = -(-num_tokens // block_size)
-    ids = block_tables[:, :num_blocks].to(torch.long)
-    ctx = cache[ids].reshape(ids.shape[0], num_blocks * block_size, kvh, hd)[:, :num_tokens]
-    return ctx.transpose(1, 2).to(dtype)
+    first, last = start // block_size, -(-end // block_size)
+    ids = tables[:, first:last].to(torch.long)
+    ctx = cache[ids].reshape(ids.shape[0], (last - first) * block_size, kvh, hd)
+    offset = start - first * block_size
+    return ctx[:, offset : offset + end - start].transpose(1, 2).to(dtype)
 
 
-def _decode_groups(decodes: list[tuple[int, int]]) -> list[list[int]]:
-    """Split (request index, ctx) decodes into groups whose padded size stays near their real size."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Lq, D], k/v [B, kvh, Lk, D] -> (output [B, H, Lq, D], log-sum-exp [B, H, Lq] in fp32).
+
+    mask is additive (0 / -inf). Every query row must see at least one key.
+    """
+    if q.device.type == "cpu":
+        # The fused CPU kernel returns the log-sum-exp that tile merging needs (the public SDPA hides it),
+        # and maps query head h to kv head h // (H / kvh) itself, as HF's repeat_kv does.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return out, lse.float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
+
+
+class _Merger:
+    """Running combination of attention over disjoint key sets, weighting each part by exp(its lse - total
+    lse); only the running sum is kept, so workspace does not grow with the number of context tiles."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        total = torch.logaddexp(self.lse, lse)
+        self.out = (self.out.float() * torch.exp(self.lse - total)[..., None]
+                    + out.float() * torch.exp(lse - total)[..., None]).to(out.dtype)
+        self.lse = total
+
+    def result(self) -> torch.Tensor:
+        assert self.out is not None, "attention over an empty context"
+        return self.out
+
+
+def _attend_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
+    scale: float, tile: int,
+) -> torch.Tensor:
+    """One request's chunk q [1, H, Lq, D] at offset ctx - Lq: its cached prefix in tiles, then itself."""
+    lq = q.shape[2]
+    start = ctx - lq
+    merged = _Merger()
+    for s in range(0, start, tile):
+        e = min(s + tile, start)
+        merged.add(*_attend(q, _gather(k_cache, table, s, e, q.dtype), _gather(v_cache, table, s, e, q.dtype), scale))
+    # The chunk itself, in tiles of keys; query j sits at start + j. Tile [s, e) of the chunk is fully
+    # visible to queries >= e - start, causal on its own square, and invisible to the queries before it.
+    for s in range(start, ctx, tile):
+        e = min(s + tile, ctx)
+        k, v = _gather(k_cache, table, s, e, q.dtype), _gather(v_cache, table, s, e, q.dtype)
+        rows = q[:, :, s - start :]
+        o, lse = _attend(rows, k, v, scale, causal=True) if e - s == rows.shape[2] else _attend_offset(rows, k, v, scale)
+        pad = s - start
+        if pad:  # queries before this tile see none of it: zero weight
+            o = torch.cat([o.new_zeros(o.shape[0], o.shape[1], pad, o.shape[3]), o], dim=2)
+            lse = torch.cat([lse.new_full((lse.shape[0], lse.shape[1], pad), float("-inf")), lse], dim=2)
+        merged.add(o, lse)
+    return merged.result()
+
+
+def _attend_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [s, s + n) of a chunk against keys [s, s + m), m < n: query i sees key j when j <= i."""
+    n, m = q.shape[2], k.shape[2]
+    mask = torch.zeros(n, m, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return _attend(q, k, v, scale, mask=mask)
+
+
+def _decode_groups(decodes: list[tuple[int, int]], tile: int, group_tokens: int) -> list[list[int]]:
+    """Split (request index, ctx) decodes, longest first, into groups whose rows x tile width stay within
+    group_tokens, so short decodes batch widely and long ones in small groups."""
+    ordered = sorted(decodes, key=lambda d: -d[1])
     groups: list[list[int]] = []
-    longest = total = 0
-    for i, ctx in sorted(decodes, key=lambda d: -d[1]):
-        if groups and (len(groups[-1]) + 1) * longest <= _MAX_DECODE_PADDING * (total + ctx):
-            groups[-1].append(i)
-            total += ctx
-        else:
-            groups.append([i])
-            longest = total = ctx
+    while ordered:
+        width = min(ordered[0][1], tile)
+        size = max(1, group_tokens // width)
+        groups.append([i for i, _ in ordered[:size]])
+        ordered = ordered[size:]
     return groups
 
 
 def _attend_decodes(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    cu: list[int],
-    group: list[int],
-    scale: float,
-    out: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, cu: list[int],
+    group: list[int], scale: float, tile: int, out: torch.Tensor,
 ) -> None:
-    """One query row per request: pad the group's contexts to the longest and mask the padding."""
+    """One query row per request, longest context first; each tile covers the rows whose context reaches it."""
     device = q.device
+    ctx = [attn.context_lens_host[i] for i in group]
     rows = torch.tensor([cu[i] for i in group], dtype=torch.long, device=device)
-    ctx = torch.tensor([attn.context_lens_host[i] for i in group], device=device)
-    longest = int(max(attn.context_lens_host[i] for i in group))
     tables = attn.block_tables[torch.tensor(group, device=attn.block_tables.device)]
-    k = _gather_context(k_cache, tables, longest, q.dtype)
-    v = _gather_context(v_cache, tables, longest, q.dtype)
-    mask = (torch.arange(longest, device=device)[None, :] < ctx[:, None])[:, None, None, :]
     qg = q.index_select(0, rows)[:, :, None, :]  # [B, H, 1, D]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out.index_copy_(0, rows, o[:, :, 0, :])
-
-
-def _host_cu(attn: AttentionMetadata) -> list[int]:
-    """Row offsets from the host copies of the query lengths, so no device sync is needed."""
-    cu = [0]
-    for n in attn.query_lens:
-        cu.append(cu[-1] + n)
-    return cu
+    merged = _Merger()
+    for s in range(0, ctx[0], tile):
+        live = sum(1 for c in ctx if c > s)  # contexts are sorted descending: a prefix of the rows
+        e = min(s + tile, ctx[0])
+        k = _gather(k_cache, tables[:live], s, e, q.dtype)
+        v = _gather(v_cache, tables[:live], s, e, q.dtype)
+        lens = torch.tensor(ctx[:live], device=device)
+        mask = torch.zeros(live, 1, 1, e - s, dtype=q.dtype, device=device)
+        mask.masked_fill_((torch.arange(s, e, device=device)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        o, lse = _attend(qg[:live], k, v, scale, mask=mask)
+        if live < len(group):
+            o = torch.cat([o, o.new_zeros(len(group) - live, *o.shape[1:])])
+            lse = torch.cat([lse, lse.new_full((len(group) - live, *lse.shape[1:]), float("-inf"))])
+        merged.add(o, lse)
+    out.index_copy_(0, rows, merged.result()[:, :, 0, :])
 
 
 def paged_attention(
@@ -90,6 +167,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
+    context_tile: int = CONTEXT_TILE,
+    decode_group_tokens: int = DECODE_GROUP_TOKENS,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, kvh, D] of this step's tokens -> attention output [T, H, D] in q's dtype.
 
@@ -97,25 +176,17 @@ def paged_attention(
     """
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
-    cu = _host_cu(attn)
+    cu = [0]
+    for n in attn.query_lens:
+        cu.append(cu[-1] + n)
     decodes: list[tuple[int, int]] = []
     for i, (lq, ctx) in enumerate(zip(attn.query_lens, attn.context_lens_host)):
         if lq == 1:
             decodes.append((i, ctx))
             continue
-        table = attn.block_tables[i : i + 1]
-        ki = _gather_context(k_cache, table, ctx, q.dtype)
-        vi = _gather_context(v_cache, table, ctx, q.dtype)
         qi = q[cu[i] : cu[i + 1]].transpose(0, 1)[None]  # [1, H, Lq, D]
-        if lq == ctx:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Query j sits at position ctx - lq + j and sees keys up to and including that position.
-            keys = torch.arange(ctx, device=q.device)
-            queries = torch.arange(ctx - lq, ctx, device=q.device)
-            mask = keys[None, :] <= queries[:, None]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = _attend_prefill(qi, k_cache, v_cache, attn.block_tables[i : i + 1], ctx, scale, context_tile)
         out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
-    for group in _decode_groups(decodes):
-        _attend_decodes(q, k_cache, v_cache, attn, cu, group, scale, out)
+    for group in _decode_groups(decodes, context_tile, decode_group_tokens):
+        _attend_decodes(q, k_cache, v_cache, attn, cu, group, scale, context_tile, out)
     return out
