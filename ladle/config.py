@@ -25,12 +25,14 @@ class EngineArgs:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # default: derived from measured memory (multiple of 64)
     max_prefill_length: int | None = None  # per-request chunk cap; default: max_num_batched_tokens
     max_num_seqs: int = 256
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # default: 40% of free memory, at most 1 GiB on CPU
+    num_kv_blocks: int | None = None  # default: what the memory plan leaves for KV
+    kv_cache_memory_bytes: int | str | None = None  # alternative to num_kv_blocks, e.g. "2GiB"
+    memory_budget: int | str | None = None  # cap on all ladle may use (weights, KV, activations), e.g. "8GiB"
+    gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory (vLLM semantics)
     enable_prefix_caching: bool = True
     seed: int = 0
 
@@ -71,6 +73,11 @@ class EngineConfig:
     seed: int
     enable_prefix_caching: bool = True
     settings: dict[str, Setting] = field(default_factory=dict)
+    plan: Any = None  # the MemoryPlan that sized the memory settings
+
+    def report(self) -> str:
+        """The resolved settings with their provenance, then the memory plan."""
+        return self.table() + ("\n" + "\n".join(self.plan.lines()) if self.plan is not None else "")
 
     def table(self) -> str:
         rows = [(k, str(s.value), s.source, s.reason) for k, s in self.settings.items()]
@@ -104,67 +111,34 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
-def resolve_config(
-    args: EngineArgs,
-    explicit: frozenset[str],
-    model_max_len: int,
-    kv_bytes_per_token: int,
-    free_memory: int,
-    tokenizer: str | None = None,
-) -> EngineConfig:
-    """Turn user args into the settings the engine runs with, recording where each came from."""
-    settings: dict[str, Setting] = {}
+class Provenance:
+    """Records every setting with where it came from; derived never overrides explicit."""
 
-    def put(name: str, value: Any, derived_reason: str = "") -> Any:
-        if name in explicit:
-            settings[name] = Setting(value, "explicit")
+    def __init__(self, explicit: frozenset[str]) -> None:
+        self.explicit = explicit
+        self.settings: dict[str, Setting] = {}
+
+    def put(self, name: str, value: Any, derived_reason: str = "") -> Any:
+        if name in self.explicit:
+            self.settings[name] = Setting(value, "explicit")
         elif derived_reason:
-            settings[name] = Setting(value, "derived", derived_reason)
+            self.settings[name] = Setting(value, "derived", derived_reason)
         else:
-            settings[name] = Setting(value, "default")
+            self.settings[name] = Setting(value, "default")
         return value
 
+
+def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, torch.dtype]:
+    """The settings that need no memory measurement, validated; returns the device and dtype."""
     device = resolve_device(args.device)
-    put("device", str(device), "" if "device" in explicit else "cuda if available, else cpu")
+    prov.put("device", str(device), "" if "device" in prov.explicit else "cuda if available, else cpu")
     dtype = resolve_dtype(args.dtype, device)
-    put("dtype", str(dtype).removeprefix("torch."), "" if "dtype" in explicit else f"auto on {device.type}")
-
-    if args.max_model_len is None:
-        max_model_len = put("max_model_len", model_max_len, "the model's max_position_embeddings")
-    else:
-        max_model_len = put("max_model_len", positive_int("max_model_len", args.max_model_len))
-        if max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max_len}; "
-                f"set max_model_len <= {model_max_len}"
-            )
-    budget = put("max_num_batched_tokens", positive_int("max_num_batched_tokens", args.max_num_batched_tokens))
-    if args.max_prefill_length is None:
-        chunk = put("max_prefill_length", budget, "no per-request cap: the step budget bounds each chunk")
-    else:
-        chunk = put("max_prefill_length", positive_int("max_prefill_length", args.max_prefill_length))
-    max_num_seqs = put("max_num_seqs", positive_int("max_num_seqs", args.max_num_seqs))
-    block_size = put("block_size", positive_int("block_size", args.block_size))
-
-    blocks_per_seq = -(-max_model_len // block_size)
-    if args.num_kv_blocks is None:
-        if args.kv_cache_memory_bytes is None:
-            cap = 2**30 if device.type == "cpu" else free_memory
-            kv_bytes = put("kv_cache_memory_bytes", min(int(free_memory * 0.4), cap),
-                           f"40% of {free_memory / 2**30:.1f} GiB free" + (", at most 1 GiB on CPU" if device.type == "cpu" else ""))
-        else:
-            kv_bytes = put("kv_cache_memory_bytes", positive_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes))
-        affordable = kv_bytes // (kv_bytes_per_token * block_size)
-        num_blocks = max(blocks_per_seq, min(blocks_per_seq * max_num_seqs, affordable))
-        put("num_kv_blocks", num_blocks, f"kv_cache_memory_bytes / {kv_bytes_per_token * block_size} bytes per "
-            f"block, at most {max_num_seqs} x {blocks_per_seq}, at least one max_model_len request")
-    else:
-        num_blocks = put("num_kv_blocks", positive_int("num_kv_blocks", args.num_kv_blocks))
-    put("enable_prefix_caching", bool(args.enable_prefix_caching))
-    put("seed", args.seed)
-    return EngineConfig(
-        model=args.model, tokenizer=tokenizer or args.tokenizer or args.model, device=device, dtype=dtype,
-        max_model_len=max_model_len, max_num_batched_tokens=budget, max_prefill_length=chunk,
-        max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_blocks, seed=args.seed,
-        enable_prefix_caching=bool(args.enable_prefix_caching), settings=settings,
-    )
+    prov.put("dtype", str(dtype).removeprefix("torch."), "" if "dtype" in prov.explicit else f"auto on {device.type}")
+    for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks"):
+        if getattr(args, name) is not None:
+            positive_int(name, getattr(args, name))
+    prov.put("max_num_seqs", positive_int("max_num_seqs", args.max_num_seqs))
+    prov.put("block_size", positive_int("block_size", args.block_size))
+    prov.put("enable_prefix_caching", bool(args.enable_prefix_caching))
+    prov.put("seed", args.seed)
+    return device, dtype

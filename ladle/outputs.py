@@ -36,3 +36,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine ended it early (finish_reason "error")

@@ -43,6 +43,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, served by the prefix cache at the last admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
     generator: torch.Generator | None = None  # set by the core on its device for seeded requests

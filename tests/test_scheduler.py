@@ -13,7 +13,9 @@ def make_scheduler(budget=64, chunk=None, blocks=100, block_size=4, max_len=256,
     cfg = EngineConfig(model="m", tokenizer="m", device=torch.device("cpu"), dtype=torch.float32,
                        max_model_len=max_len, max_num_batched_tokens=budget, max_prefill_length=chunk or budget,
                        max_num_seqs=max_seqs, block_size=block_size, num_kv_blocks=blocks, seed=0)
-    return Scheduler(cfg, KVCacheManager(blocks, block_size))
+    # Prompts here share prefixes (1, 2, 3, ...); with caching on, they would wait for each other's blocks
+    # (test_prefix_cache.py covers that), and these tests are about budget and block accounting.
+    return Scheduler(cfg, KVCacheManager(blocks, block_size, enable_caching=False))
 
 
 def make_request(rid, prompt_len, max_tokens=4):

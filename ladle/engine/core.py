@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 from transformers import GenerationConfig
 
-from ladle.config import EngineArgs, EngineConfig, resolve_config, resolve_device, resolve_dtype
+from ladle.config import EngineArgs, EngineConfig
 from ladle.engine.kv_cache import KVCacheManager
-from ladle.engine.memory import free_memory_bytes
+from ladle.engine.setup import load_and_plan
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
-from ladle.models.loader import kv_cache_shape_params, load_model
+from ladle.models.loader import kv_cache_shape_params
 from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
@@ -46,24 +47,22 @@ def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
-        device = resolve_device(args.device)
-        model, hf_config = load_model(args.model, device, resolve_dtype(args.dtype, device))
-        num_layers, num_kv_heads, head_dim = kv_cache_shape_params(hf_config)
-        dtype = next(model.parameters()).dtype
-        kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-        self.config: EngineConfig = resolve_config(
-            args, explicit, hf_config.max_position_embeddings, kv_bytes_per_token, free_memory_bytes(device)
-        )
-        logger.info("resolved engine settings:\n%s", self.config.table())
+        loaded = load_and_plan(args, explicit)
+        self.config: EngineConfig = loaded.config
+        logger.info("resolved engine settings:\n%s", self.config.report())
         cfg = self.config
+        hf_config = loaded.hf_config
         self.hf_config = hf_config
         self.eos_token_ids = eos_token_ids(args.model, hf_config)
-        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size)
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
+        num_layers, num_kv_heads, head_dim = kv_cache_shape_params(hf_config)
         caches = allocate_kv_caches(num_layers, cfg.num_kv_blocks, cfg.block_size, num_kv_heads, head_dim,
-                                    dtype, device)
-        self.runner = ModelRunner(model, caches, cfg.block_size, device)
+                                    cfg.dtype, cfg.device)
+        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device)
         self.stats = EngineStats()
+        # A test hook run before each forward call (e.g. to inject an out-of-memory error).
+        self.before_execute: Callable[[SchedulerOutput], None] | None = None
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_token_ids:
@@ -111,10 +110,47 @@ class EngineCore:
                                    f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
             return []
         start = time.perf_counter()
-        sampled = self.runner.execute(sched, self.kv.block_tables)
+        sampled, sched, failed = self._execute(sched)
         ms = (time.perf_counter() - start) * 1000
         self._record(sched, ms)
-        return self._update(sched, sampled)
+        return failed + self._update(sched, sampled)
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], SchedulerOutput, list[EngineCoreOutput]]:
+        """Run the step; on out-of-memory halve its tokens (not below one block) and run it again. The KV of
+        a retried step lands in the same slots, so nothing is lost and no output changes. Only when the
+        smallest step still fails do its requests end with an error; the others keep running."""
+        floor = self.config.block_size
+        while True:
+            try:
+                if self.before_execute is not None:
+                    self.before_execute(sched)
+                return self.runner.execute(sched, self.kv.block_tables), sched, []
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                if self.config.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.stats.oom_retries += 1
+                if sched.num_tokens > floor:
+                    budget = max(floor, sched.num_tokens // 2)
+                    logger.warning("out of memory in a step of %d tokens (%s); retrying it with %d tokens",
+                                   sched.num_tokens, type(e).__name__, budget)
+                    sched = sched.shrink(budget)
+                elif len(sched.scheduled) > 1:
+                    # At the smallest step, run one request alone, so only a request that fails alone is ended.
+                    logger.warning("out of memory in a step of %d tokens; retrying its first request alone",
+                                   sched.num_tokens)
+                    sched = replace(sched, scheduled=sched.scheduled[:1])
+                else:
+                    return {}, SchedulerOutput(), self._fail(sched, e)
+
+    def _fail(self, sched: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput]:
+        outs = []
+        for s in sched.scheduled:
+            message = (f"out of memory even for a step of {sched.num_tokens} tokens ({type(error).__name__}); "
+                       f"request {s.request.request_id} was ended so the engine can keep serving")
+            logger.error(message)
+            self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR)
+            outs.append(EngineCoreOutput(s.request.request_id, finish_reason="error", error=message))
+        return outs
 
     def _record(self, sched: SchedulerOutput, ms: float) -> None:
         self.stats.steps.append(StepRecord(
@@ -125,12 +161,16 @@ class EngineCore:
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         outs = []
+        self.stats.prefix_cache_queries += sched.prefix_cache_queries
+        self.stats.prefix_cache_hits += sched.prefix_cache_hits
         for s in sched.scheduled:
             req = s.request
             if s.is_prefill:
                 self.stats.prefill_chunks.setdefault(req.request_id, []).append(s.num_new_tokens)
                 self.stats.prompt_tokens += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens
+            # Only now is this step's KV written, so only now may its full blocks be served to others.
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue

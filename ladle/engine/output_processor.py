@@ -63,6 +63,8 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = "stop", stop_str
             elif co.finish_reason is not None:
                 comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
+                if co.error is not None:
+                    parent.error = co.error
             if comp.finish_reason is not None:
                 child.detok.finish()
                 del self.children[co.request_id]

@@ -3,12 +3,15 @@
 Each step serves, within max_num_batched_tokens: running decodes first, then running partial prefills,
 then waiting requests FCFS. Every prefill chunk is min(remaining, max_prefill_length, remaining budget),
 so no forward call sees more tokens than the budget and no request more than its chunk cap.
+
+With prefix caching, an admitted request starts at its cache hit (num_computed_tokens = hit tokens), and
+admission counts only the blocks it will take from the free queue.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ladle.config import EngineConfig
 from ladle.engine.kv_cache import KVCacheManager
@@ -34,6 +37,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    prefix_cache_queries: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +51,17 @@ class SchedulerOutput:
     @property
     def num_prefill_chunks(self) -> int:
         return len(self.scheduled) - self.num_decodes
+
+    def shrink(self, max_tokens: int) -> "SchedulerOutput":
+        """The same step cut to max_tokens tokens, in schedule order (decodes first). A request cut short
+        or dropped simply has fewer tokens computed this step; its blocks and slots stay as they were."""
+        kept, left = [], max_tokens
+        for s in self.scheduled:
+            n = min(s.num_new_tokens, left)
+            if n > 0:
+                kept.append(replace(s, num_new_tokens=n))
+                left -= n
+        return replace(self, scheduled=kept)
 
 
 class Scheduler:
@@ -100,22 +116,56 @@ class Scheduler:
             scheduled_ids.add(req.request_id)
             budget -= n
         # A step that preempted is short of blocks: admitting now would only thrash.
+        deferred: list[Request] = []
         while budget > 0 and self.waiting and not out.preempted_ids and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # Admission on the whole (re)prefill, so an admitted prompt never stalls between chunks.
-            if not self.kv.allocate(req.request_id, req.num_tokens):
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            if self._prefix_in_flight(req, num_cached):
+                deferred.append(self.waiting.popleft())
+                continue
+            # Admission on the whole (re)prefill, so an admitted prompt never stalls between chunks. Cached
+            # blocks cost only what taking them out of the free queue costs.
+            if not self.kv.allocate(req.request_id, req.num_tokens, computed_blocks):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = req.num_cached_tokens = num_cached
+            if self.kv.enable_caching:
+                out.prefix_cache_queries += req.num_tokens
+                out.prefix_cache_hits += num_cached
+                logger.debug("admitted request=%s prefix_cache_hit=%d of %d tokens", req.request_id, num_cached,
+                             req.num_tokens)
             self.running.append(req)
             n = self._chunk(req, budget)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, is_prefill=True))
             scheduled_ids.add(req.request_id)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # they keep their place in the queue
         for s in out.scheduled:
             if s.is_prefill:
                 self._log_chunk(s)
         return out
+
+    def _prefix_in_flight(self, req: Request, num_cached: int) -> bool:
+        """True when a running request has yet to write the next block of req's prefix that req could reuse.
+
+        Waiting for it (one step, or until that request's chunked prefill passes the block) beats computing
+        the same KV twice. This is how n > 1 siblings, admitted together, share their prompt: the first
+        prefills it, the others follow a step later and hit its blocks. Requests behind a deferred one may
+        be admitted meanwhile; the deferred one keeps its place at the head of the queue.
+        """
+        if not self.kv.enable_caching:
+            return False
+        end = num_cached + self.kv.block_size
+        if end > req.num_tokens - 1:
+            return False  # no further block of req would be reused: a hit stops before the last token
+        tokens = req.all_token_ids
+        for other in self.running:
+            ids = other.all_token_ids
+            if (other.num_computed_tokens < end <= len(ids) and ids[num_cached:end] == tokens[num_cached:end]
+                    and ids[:num_cached] == tokens[:num_cached]):
+                return True
+        return False
 
     def _chunk(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens

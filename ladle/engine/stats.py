@@ -20,7 +20,16 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
     generation_tokens: int = 0
+    oom_retries: int = 0  # steps run again with half the tokens after running out of memory
     prefill_chunks: dict[str, list[int]] = field(default_factory=dict)  # request id -> chunk sizes, in order
+    # In tokens, as vLLM counts them: queries are all tokens of each admitted request (again after a
+    # preemption), hits those served by the prefix cache. Zero when prefix caching is off.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def max_step_tokens(self) -> int:
@@ -36,5 +45,6 @@ class EngineStats:
         total_ms = sum(s.ms for s in self.steps)
         lines.append(f"{len(self.steps)} steps, {sum(s.num_tokens for s in self.steps)} tokens, "
                      f"largest step {self.max_step_tokens} tokens, {total_ms / 1000:.2f} s in steps, "
-                     f"{self.num_preemptions} preemptions")
+                     f"{self.num_preemptions} preemptions, prefix cache hit {self.prefix_cache_hits} of "
+                     f"{self.prefix_cache_queries} tokens")
         return "\n".join(lines)

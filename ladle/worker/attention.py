@@ -1,9 +1,9 @@
 """Torch reference attention over the paged KV cache, for steps that mix prefill chunks and decodes.
 
-Workspace is bounded by the step, never by the context length: each request's context is read from the pool
+Workspace is bounded by a tile, never by the context length: each request's context is read from the pool
 in tiles of at most `context_tile` tokens, and the partial results are merged through their log-sum-exp
-(flash-decoding style). A prefill chunk of Lq tokens at offset ctx - Lq attends to its cached prefix (every
-key visible, no mask) and to itself (a causal square), so no [Lq, ctx] mask is ever built. Decodes are
+(flash-decoding style). A prefill chunk is processed in blocks of `context_tile` queries; each block sees
+all keys before it (no mask) and itself (a causal square), so no [Lq, ctx] mask is ever built. Decodes are
 batched in groups whose gathered keys stay under `decode_group_tokens`.
 """
 from __future__ import annotations
@@ -89,34 +89,25 @@ def _attend_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
     scale: float, tile: int,
 ) -> torch.Tensor:
-    """One request's chunk q [1, H, Lq, D] at offset ctx - Lq: its cached prefix in tiles, then itself."""
+    """One request's chunk q [1, H, Lq, D] at offset ctx - Lq, flash-style in blocks of `tile` queries: each
+    block sees every key before its first query (read in tiles, no mask) and itself causally, so no call
+    ever holds more than tile x tile scores and no mask is built."""
     lq = q.shape[2]
     start = ctx - lq
-    merged = _Merger()
-    for s in range(0, start, tile):
-        e = min(s + tile, start)
-        merged.add(*_attend(q, _gather(k_cache, table, s, e, q.dtype), _gather(v_cache, table, s, e, q.dtype), scale))
-    # The chunk itself, in tiles of keys; query j sits at start + j. Tile [s, e) of the chunk is fully
-    # visible to queries >= e - start, causal on its own square, and invisible to the queries before it.
-    for s in range(start, ctx, tile):
-        e = min(s + tile, ctx)
-        k, v = _gather(k_cache, table, s, e, q.dtype), _gather(v_cache, table, s, e, q.dtype)
-        rows = q[:, :, s - start :]
-        o, lse = _attend(rows, k, v, scale, causal=True) if e - s == rows.shape[2] else _attend_offset(rows, k, v, scale)
-        pad = s - start
-        if pad:  # queries before this tile see none of it: zero weight
-            o = torch.cat([o.new_zeros(o.shape[0], o.shape[1], pad, o.shape[3]), o], dim=2)
-            lse = torch.cat([lse.new_full((lse.shape[0], lse.shape[1], pad), float("-inf")), lse], dim=2)
-        merged.add(o, lse)
-    return merged.result()
-
-
-def _attend_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries [s, s + n) of a chunk against keys [s, s + m), m < n: query i sees key j when j <= i."""
-    n, m = q.shape[2], k.shape[2]
-    mask = torch.zeros(n, m, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return _attend(q, k, v, scale, mask=mask)
+    out = torch.empty_like(q)
+    for r0 in range(0, lq, tile):
+        r1 = min(r0 + tile, lq)
+        block = q[:, :, r0:r1]
+        merged = _Merger()
+        for s in range(0, start + r0, tile):
+            e = min(s + tile, start + r0)
+            merged.add(*_attend(block, _gather(k_cache, table, s, e, q.dtype), _gather(v_cache, table, s, e, q.dtype),
+                                scale))
+        k = _gather(k_cache, table, start + r0, start + r1, q.dtype)
+        v = _gather(v_cache, table, start + r0, start + r1, q.dtype)
+        merged.add(*_attend(block, k, v, scale, causal=True))
+        out[:, :, r0:r1] = merged.result()
+    return out
 
 
 def _decode_groups(decodes: list[tuple[int, int]], tile: int, group_tokens: int) -> list[list[int]]:
@@ -174,6 +165,12 @@ def paged_attention(
 
     The new k/v are written to the cache first, so each request reads its own chunk back with its history.
     """
+    if q.device.type == "cuda":
+        # One Triton launch reads the pool through block tables: no gathered context, no host sync. Imported
+        # here so that CPU-only installs never need triton.
+        from ladle.worker import triton_attention
+
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
     cu = [0]

@@ -7,8 +7,8 @@ import torch
 
 from ladle.engine.scheduler import SchedulerOutput
 from ladle.outputs import Logprob
-from ladle.worker.inputs import ScheduledChunk, StepInputs, build_step_inputs
-from ladle.worker.sampler import Sampler, SamplingMetadata
+from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+from ladle.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
 
-    def prepare(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
-        chunks = [
+    def prepare(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[ScheduledChunk]:
+        return [
             ScheduledChunk(
                 token_ids=s.request.all_token_ids[s.start_pos : s.start_pos + s.num_new_tokens],
                 start_pos=s.start_pos,
@@ -49,16 +49,10 @@ class ModelRunner:
             )
             for s in sched.scheduled
         ]
-        return build_step_inputs(chunks, self.block_size, self.device)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
-        inputs = self.prepare(sched, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        if not inputs.sampled_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        requests = [sched.scheduled[i].request for i in inputs.sampled_rows]
+        chunks = self.prepare(sched, block_tables)
+        requests = [s.request for s, c in zip(sched.scheduled, chunks) if c.sample]
         meta = SamplingMetadata(
             params=[r.sampling_params for r in requests],
             generators=[r.generator for r in requests],
@@ -66,8 +60,15 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in requests],
             stop_token_ids=[r.stop_token_ids for r in requests],
         )
-        out = self.sampler(logits, meta)
-        return {
-            r.request_id: SampledToken(tok, lp)
-            for r, tok, lp in zip(requests, out.token_ids, out.logprobs)
-        }
+        out = self.run(chunks, meta)
+        return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], meta: SamplingMetadata) -> SamplerOutput:
+        """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk."""
+        inputs = build_step_inputs(chunks, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if not inputs.sampled_rows:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sampler(logits, meta)

@@ -1,0 +1,140 @@
+"""Measure the activation peak of real steps (dummy tokens) and fit a model of it.
+
+vLLM's profiling run skips attention, so long-context attention workspace is never measured. Here each
+profiled step is the real forward + logits + sampling, at the worst-case context: a chunk of T tokens
+attending to L - T cached tokens, and T decodes (up to max_num_seqs) each attending to L tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ladle.engine.memory import measure_peak
+from ladle.sampling_params import SamplingParams
+from ladle.worker.attention import CONTEXT_TILE
+from ladle.worker.inputs import ScheduledChunk
+from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
+from ladle.worker.sampler import SamplingMetadata
+
+# The costliest sampling path: sorting for top-k/top-p, penalties over prompt and output, top-20 logprobs.
+_WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                               presence_penalty=0.5, frequency_penalty=0.5, logprobs=20)
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    kind: str  # "prefill": one chunk of num_tokens tokens; "decode": num_tokens decodes (sampled rows)
+    num_tokens: int
+    context: int
+    peak: int
+
+
+def _lstsq(rows: list[list[float]], values: list[float]) -> list[float]:
+    """Non-negative least squares by dropping the most negative term and refitting (memory never shrinks
+    with more tokens), then the constant raised so that no measured point is under-predicted."""
+    x = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(values, dtype=torch.float64)
+    active = list(range(1, x.shape[1]))
+    while True:
+        cols = [0, *active]
+        sol = torch.linalg.lstsq(x[:, cols], y[:, None], driver="gelsd").solution[:, 0]
+        coef = torch.zeros(x.shape[1], dtype=torch.float64)
+        coef[cols] = sol
+        negative = [c for c in active if coef[c] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda c: float(coef[c])))
+    coef[0] += max(0.0, float((y - x @ coef).max()))
+    return [float(v) for v in coef]
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Peak bytes of one step of T tokens at context L, beyond weights and KV pool.
+
+    prefill(T, L) = a + b*T + c*T*Lc + d*Lc with Lc = min(L, tile): attention reads context in tiles, so
+    its workspace stops growing once the context exceeds one tile. decode(D) = e + f*D for D sampled rows
+    (logits, sampling and logprobs are per row; e covers the bounded decode attention workspace); a step
+    samples at most min(T, max_num_seqs) rows.
+    """
+
+    prefill: tuple[float, float, float, float]
+    decode: tuple[float, float]
+    tile: int
+    max_num_seqs: int
+    points: tuple[ProfilePoint, ...]
+
+    def predict_prefill(self, num_tokens: int, context: int) -> int:
+        a, b, c, d = self.prefill
+        lc = min(context, self.tile)
+        return int(max(0.0, a + b * num_tokens + c * num_tokens * lc + d * lc))
+
+    def predict_decode(self, rows: int) -> int:
+        e, f = self.decode
+        return int(max(0.0, e + f * rows))
+
+    def predict(self, num_tokens: int, context: int) -> int:
+        """The worst step of num_tokens tokens: one long chunk, or as many sampled rows as may run."""
+        return max(self.predict_prefill(num_tokens, context),
+                   self.predict_decode(min(num_tokens, self.max_num_seqs)))
+
+    def describe(self) -> str:
+        a, b, c, d = self.prefill
+        e, f = self.decode
+        return (f"prefill {a / 2**20:.2f} MiB + {b / 1024:.2f} KiB*T + {c:.3f} B*T*Lc + {d:.1f} B*Lc "
+                f"(Lc = min(L, {self.tile})); decode {e / 2**20:.2f} MiB + {f / 1024:.1f} KiB*rows "
+                f"(rows = min(T, {self.max_num_seqs}))")
+
+
+def fit_activation_model(points: list[ProfilePoint], max_num_seqs: int, tile: int = CONTEXT_TILE) -> ActivationModel:
+    pre = [p for p in points if p.kind == "prefill"]
+    dec = [p for p in points if p.kind == "decode"]
+    a_d = _lstsq([[1.0, p.num_tokens, p.num_tokens * min(p.context, tile), min(p.context, tile)] for p in pre],
+                 [float(p.peak) for p in pre])
+    # Per-row sampling cost is the slope between the two largest row counts; the constant covers the
+    # bounded decode attention workspace, which dominates at few rows.
+    hi, lo = sorted(dec, key=lambda p: (p.num_tokens, p.peak))[-1], sorted(dec, key=lambda p: p.num_tokens)[-2]
+    f = max(0.0, (hi.peak - lo.peak) / max(1, hi.num_tokens - lo.num_tokens))
+    e = max(p.peak - f * p.num_tokens for p in dec)
+    return ActivationModel((a_d[0], a_d[1], a_d[2], a_d[3]), (e, f), tile, max_num_seqs, tuple(points))
+
+
+def profile_points(
+    model: torch.nn.Module, kv_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+    block_size: int, vocab_size: int, token_counts: list[int], max_context: int, decode_rows: list[int],
+    tile: int = CONTEXT_TILE,
+) -> list[ProfilePoint]:
+    """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
+    case); decode steps of each row count at context min(max_context, tile), where their workspace tops out,
+    and a few rows at max_context to confirm it stays flat."""
+    num_layers, num_kv_heads, head_dim = kv_shape
+    num_blocks = -(-max_context // block_size)
+    # A scratch pool for one max_context sequence; decodes share its block table (values do not matter).
+    caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    runner = ModelRunner(model, caches, block_size, device)
+    blocks = list(range(num_blocks))
+
+    def measure(kind: str, n: int, ctx: int) -> ProfilePoint:
+        if kind == "prefill":
+            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True)], _meta(1, ctx, vocab_size)
+        else:
+            chunks, meta = [ScheduledChunk([0], ctx - 1, blocks, True)] * n, _meta(n, ctx, vocab_size)
+        return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta), device))
+
+    points = [measure("prefill", t, ctx) for t in token_counts for ctx in sorted({t, max_context})]
+    short = min(max_context, tile)
+    points += [measure("decode", d, short) for d in decode_rows]
+    points.append(measure("decode", min(4, *decode_rows), max_context))
+    del runner, caches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return points
+
+
+def _meta(rows: int, history: int, vocab_size: int) -> SamplingMetadata:
+    prompt = [i % vocab_size for i in range(min(history, 4096))]
+    return SamplingMetadata(
+        params=[_WORST_PARAMS] * rows, generators=[None] * rows, prompt_token_ids=[prompt] * rows,
+        output_token_ids=[prompt[:64]] * rows, stop_token_ids=[frozenset()] * rows,
+    )
