@@ -1,4 +1,4 @@
-"""`ladle generate | demo-model`: the command line over the offline LLM."""
+"""`ladle generate | serve | plan | demo-model`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -24,21 +24,26 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=S, help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--dtype", default=S, help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=S, help="default: the model's max_position_embeddings")
-    p.add_argument("--max-num-batched-tokens", type=int, default=S, help="tokens per forward call (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=S,
+                   help="tokens per forward call (default: the largest multiple of 64 that fits memory, <= 8192)")
     p.add_argument("--max-prefill-length", "--long-prefill-token-threshold", dest="max_prefill_length",
                    type=int, default=S, help="prompt tokens of one request per step (default: the step budget)")
     p.add_argument("--max-num-seqs", type=int, default=S,
                    help="requests running at once (default 256)")
     p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
-                   help="KV pool size in blocks (default: sized from free memory)")
+                   help="KV pool size in blocks (default: what the memory plan leaves)")
+    p.add_argument("--kv-cache-memory-bytes", default=S, help="KV pool size as bytes or e.g. 2GiB")
+    p.add_argument("--memory-budget", default=S, help="cap on all ladle may use, e.g. 8GiB (default: measured)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=S, help="CUDA: share of device memory (0.9)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=S,
                    help="reuse KV of shared prompt prefixes (default on)")
     p.add_argument("--seed", type=int, default=S)
 
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
-               "max_num_seqs", "block_size", "num_kv_blocks", "enable_prefix_caching", "seed")
+               "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
+               "gpu_memory_utilization", "enable_prefix_caching", "seed")
 
 
 def resolve_model(model: str | None) -> str:
@@ -69,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
     llm = LLM(resolve_model(args.model), **engine_kwargs)
-    print(llm.config.table(), file=sys.stderr)
+    print(llm.config.report(), file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos, seed=args.sampling_seed)
     start = time.perf_counter()
@@ -88,6 +93,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
           f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; "
           f"largest step {stats.max_step_tokens} tokens; {stats.num_preemptions} preemptions")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ladle.config import EngineArgs
+    from ladle.engine.setup import load_and_plan
+
+    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    engine_args, explicit = EngineArgs.from_kwargs(model=resolve_model(args.model), **engine_kwargs)
+    config = load_and_plan(engine_args, explicit).config
+    print(config.report())
+    if args.prompt_tokens is not None:
+        print(config.plan.prompt_report(args.prompt_tokens))
     return 0
 
 
@@ -118,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    plan = sub.add_parser("plan", help="print the memory plan and every setting's provenance, serve nothing")
+    plan.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model)")
+    plan.add_argument("--prompt-tokens", type=int, default=None, help="say whether such a prompt fits, and how")
+    add_engine_flags(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    from ladle.entrypoints.server import add_serve_parser  # argparse + uvicorn only at import time
+
+    add_serve_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights")
     demo.add_argument("dir")

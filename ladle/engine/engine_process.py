@@ -1,0 +1,219 @@
+"""The engine core in its own process: the loop the API server's supervisor starts, watches and restarts.
+
+The API process talks to it over one duplex multiprocessing Pipe. Messages are plain tuples:
+
+  API -> engine: ("add", parent_id, [(child_id, prompt_token_ids, SamplingParams), ...])
+                 ("abort", [child_id, ...]) | ("ping", ping_id) | ("shutdown",)
+  engine -> API: ("ready", EngineInfo) | ("startup_failed", reason, is_user_error)
+                 ("added", parent_id) | ("rejected", parent_id, code, message)
+                 ("outputs", [EngineCoreOutput, ...], EngineSnapshot) | ("pong", ping_id, EngineSnapshot)
+                 ("fatal", reason)  -- sent just before the process exits on an error inside a step
+
+A pipe, not a multiprocessing.Queue: a process killed while holding a Queue's lock can wedge the other side,
+while a dead pipe peer reads as EOF, which is exactly the death signal the supervisor needs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ladle.config import EngineArgs
+from ladle.request import RequestRejected
+
+logger = logging.getLogger("ladle.engine_process")
+
+# A long-running server must not grow without bound: the core keeps one StepRecord per step (for --profile).
+_MAX_KEPT_STEPS = 1024
+_MAX_MESSAGES_PER_STEP = 256
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    pid: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    config_table: str
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The core's gauges and cumulative counters, as of one point in the engine loop."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_in_use: int = 0
+    num_kv_blocks: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_chunks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+ChildSpec = tuple[str, list[int], Any]  # (child_id, prompt_token_ids, SamplingParams)
+
+
+class EngineLoop:
+    """Owns the core in the engine process: applies messages between steps, steps while there is work."""
+
+    def __init__(self, core: Any, conn: Connection, max_queue_len: int | None) -> None:
+        self.core = core
+        self.conn = conn
+        self.max_queue_len = max_queue_len
+        self.num_steps = 0
+        self.prefill_chunks = 0
+        self._seen_steps = 0
+
+    def snapshot(self) -> EngineSnapshot:
+        core, stats = self.core, self.core.stats
+        kv = core.kv
+        return EngineSnapshot(
+            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
+            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks,
+            num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens, prefill_chunks=self.prefill_chunks,
+            prefix_cache_queries=getattr(stats, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(stats, "prefix_cache_hits", 0), num_steps=self.num_steps,
+        )
+
+    def run(self) -> None:
+        while True:
+            if not self.core.has_unfinished_requests():
+                # Idle: sleep in recv until the API sends something; no busy spin.
+                if not self._handle(self.conn.recv()):
+                    return
+            # Bounded, so a flood of messages cannot starve the requests already running.
+            for _ in range(_MAX_MESSAGES_PER_STEP):
+                if not self.conn.poll():
+                    break
+                if not self._handle(self.conn.recv()):
+                    return
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self._account(outputs)
+                if outputs:
+                    self.conn.send(("outputs", outputs, self.snapshot()))
+
+    def _handle(self, msg: tuple) -> bool:
+        """Apply one message; False means shut down."""
+        kind = msg[0]
+        if kind == "add":
+            self._add(msg[1], msg[2])
+        elif kind == "abort":
+            outputs = self.core.abort_requests(list(msg[1]))
+            self._forget(o.request_id for o in outputs)
+            if outputs:
+                self.conn.send(("outputs", outputs, self.snapshot()))
+        elif kind == "ping":
+            self.conn.send(("pong", msg[1], self.snapshot()))
+        elif kind == "shutdown":
+            return False
+        else:
+            logger.error("unknown message %r from the API process; ignored", kind)
+        return True
+
+    def _add(self, parent_id: str, children: list[ChildSpec]) -> None:
+        """All children of one API request are admitted together, or none is."""
+        if self.max_queue_len is not None and len(self.core.scheduler.waiting) >= self.max_queue_len:
+            self.conn.send(("rejected", parent_id, "queue_full",
+                            f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
+            return
+        try:
+            requests = [self.core.make_request(cid, ids, params) for cid, ids, params in children]
+            for req in requests:
+                self.core.check_request(req)
+        except RequestRejected as e:
+            self.conn.send(("rejected", parent_id, e.code, str(e)))
+            return
+        except (ValueError, TypeError) as e:
+            self.conn.send(("rejected", parent_id, "invalid_request", str(e)))
+            return
+        added: list[str] = []
+        try:
+            for req in requests:
+                self.core.add_request(req)
+                added.append(req.request_id)
+        except ValueError as e:
+            self.core.abort_requests(added)
+            self._forget(added)
+            self.conn.send(("rejected", parent_id, "invalid_request", str(e)))
+            return
+        self.conn.send(("added", parent_id))
+
+    def _account(self, outputs: list) -> None:
+        self.num_steps += 1
+        steps = self.core.stats.steps
+        self.prefill_chunks += sum(s.num_prefill_chunks for s in steps[self._seen_steps:])
+        if len(steps) > 2 * _MAX_KEPT_STEPS:
+            del steps[:-_MAX_KEPT_STEPS]
+        self._seen_steps = len(steps)
+        self._forget(o.request_id for o in outputs if o.finish_reason is not None)
+
+    def _forget(self, request_ids) -> None:
+        # Per-request chunk lists are diagnostics for offline runs; a server drops them when a request ends.
+        chunks = self.core.stats.prefill_chunks
+        for rid in request_ids:
+            chunks.pop(rid, None)
+
+
+def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connection,
+                       max_queue_len: int | None, log_level: str) -> None:
+    """Entry point of the spawned engine process."""
+    # Ctrl-C in a terminal signals the whole process group; the API process owns shutdown, so the engine
+    # ignores it and stops when told (or when the pipe closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
+    _leave_a_core_for_the_api_process()
+    try:
+        from ladle.engine.core import EngineCore
+
+        core = EngineCore(args, explicit)
+    except BaseException as e:  # noqa: BLE001 -- any load failure is reported to the supervisor, then exit
+        logger.error("engine startup failed:\n%s", traceback.format_exc())
+        # Bad settings or a missing checkpoint fail the same way every time: say so, so the first start can
+        # end the server with the message instead of retrying.
+        user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
+        _send_quietly(conn, ("startup_failed", f"{type(e).__name__}: {e}", user_error))
+        os._exit(1)
+    cfg = core.config
+    conn.send(("ready", EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
+                                   core.hf_config.vocab_size, cfg.table())))
+    try:
+        EngineLoop(core, conn, max_queue_len).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.warning("the API process went away; the engine process exits")
+    except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
+        logger.error("engine loop failed:\n%s", traceback.format_exc())
+        _send_quietly(conn, ("fatal", f"{type(e).__name__}: {e}"))
+        os._exit(1)
+
+
+def _leave_a_core_for_the_api_process() -> None:
+    """On CPU, torch's thread team spins at barriers; if it spans every core, each time the API process
+    (detokenizing, streaming) takes one, a whole step stalls: measured on 2 cores, decode steps went from
+    1 ms to 10-20 ms. One core fewer keeps steps steady. An explicit OMP_NUM_THREADS wins."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+
+
+def _send_quietly(conn: Connection, msg: tuple) -> None:
+    try:
+        conn.send(msg)
+    except OSError:
+        pass

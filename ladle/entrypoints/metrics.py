@@ -1,0 +1,88 @@
+"""Prometheus metrics of the OpenAI server (vLLM's names, with the `ladle:` prefix).
+
+Engine counters restart from zero with each engine process; Prometheus counters must not go back, so the
+server keeps its own counters and adds each snapshot's increase over the last one of the same process.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ladle.engine.engine_process import EngineSnapshot
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# Snapshot field -> counter name (without the prefix and _total).
+_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens computed (recomputation after preemption included)."),
+    "generation_tokens": ("generation_tokens", "Generated tokens."),
+    "num_preemptions": ("num_preemptions", "Requests preempted for lack of KV blocks."),
+    "prefill_chunks": ("prefill_chunks", "Prefill chunks run (a long prompt is several)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"ladle:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"ladle:{name}", doc, labelnames=list(labels), buckets=buckets,
+                             registry=r).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running set.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks in use.")
+        self.engine_healthy = gauge("engine_healthy", "1 while the engine process is up and serving.")
+        self.engine_restarts = Counter("ladle:engine_restarts", "Engine process restarts by the supervisor.",
+                                       labelnames=list(labels), registry=r).labels(**labels)
+        self.counters = {
+            field: Counter(f"ladle:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+            for field, (name, doc) in _COUNTERS.items()
+        }
+        self.request_success = Counter("ladle:request_success", "Finished choices by finish reason.",
+                                       labelnames=[*labels, "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first token.",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens of a choice.",
+                                             _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to the last token.",
+                                             _E2E_BUCKETS)
+        self._generation = 0
+        self._last = EngineSnapshot()
+        self._restarts_seen = 0
+
+    def on_snapshot(self, generation: int, snap: EngineSnapshot) -> None:
+        if generation != self._generation:
+            self._generation, self._last = generation, EngineSnapshot()
+        for field, counter in self.counters.items():
+            increase = getattr(snap, field) - getattr(self._last, field)
+            if increase > 0:
+                counter.inc(increase)
+        self._last = snap
+        self.num_requests_running.set(snap.num_running)
+        self.num_requests_waiting.set(snap.num_waiting)
+        self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
+        self.kv_cache_usage_perc.set(snap.kv_usage)
+
+    def set_engine(self, healthy: bool, num_restarts: int) -> None:
+        self.engine_healthy.set(1 if healthy else 0)
+        increase = num_restarts - self._restarts_seen
+        if increase > 0:
+            self.engine_restarts.inc(increase)
+        self._restarts_seen = num_restarts
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

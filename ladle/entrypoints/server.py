@@ -1,0 +1,198 @@
+"""`ladle serve`: the OpenAI-compatible server, its flags, and a uvicorn server with a graceful SIGTERM.
+
+    python -m ladle.entrypoints.server --model DIR [engine flags] [--host 127.0.0.1] [--port 8000]
+
+Heavy imports (torch, transformers, FastAPI) happen in cmd_serve, so registering the subcommand costs `ladle`
+next to nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from ladle.entrypoints.openai_app import ServerState
+
+logger = logging.getLogger("ladle.server")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from ladle.entrypoints.cli import add_engine_flags
+
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="answer 429 when this many requests are already waiting (default: unbounded)")
+    p.add_argument("--engine-max-failures", type=int, default=5,
+                   help="engine deaths in a row before the supervisor gives up (default 5)")
+    p.add_argument("--engine-restart-backoff", type=float, default=1.0,
+                   help="seconds before the second restart in a row; doubles after (default 1; the first is at once)")
+    p.add_argument("--engine-startup-timeout", type=float, default=600.0,
+                   help="seconds an engine may take to load and plan (default 600)")
+    p.add_argument("--engine-hang-timeout", type=float, default=300.0,
+                   help="an engine that answers no ping for this long is killed and restarted (default 300)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+    add_engine_flags(p)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the `ladle` command's subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _positive(name: str, value: float | int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from ladle.config import EngineArgs
+    from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
+    from ladle.entrypoints.cli import ENGINE_KEYS, resolve_model
+    from ladle.entrypoints.metrics import ServerMetrics
+    from ladle.entrypoints.openai_app import ServerState, build_app
+    from ladle.entrypoints.serving_chat import OpenAIServingChat
+    from ladle.entrypoints.serving_completion import OpenAIServingCompletion
+
+    _positive("--max-queue-len", args.max_queue_len, allow_none=True)
+    _positive("--engine-max-failures", args.engine_max_failures)
+    _positive("--engine-startup-timeout", args.engine_startup_timeout)
+    _positive("--engine-hang-timeout", args.engine_hang_timeout)
+    _positive("--shutdown-timeout", args.shutdown_timeout)
+    if args.engine_restart_backoff < 0:
+        raise ValueError(f"--engine-restart-backoff must be >= 0, got {args.engine_restart_backoff}")
+    model = resolve_model(args.model)
+    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    if args.tokenizer is not None:
+        engine_kwargs["tokenizer"] = args.tokenizer
+    engine_args, explicit = EngineArgs.from_kwargs(model=model, **engine_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(engine_args.tokenizer or model)
+    name = args.served_model_name or model
+    log_level = getattr(args, "log_level", "WARNING")
+
+    metrics = ServerMetrics(name)
+    supervision = SupervisorConfig(
+        max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
+        startup_timeout_s=args.engine_startup_timeout, hang_timeout_s=args.engine_hang_timeout,
+        max_queue_len=args.max_queue_len,
+    )
+    client = AsyncEngineClient(engine_args, explicit, supervision, log_level, on_snapshot=metrics.on_snapshot)
+    state = ServerState(client, metrics, OpenAIServingCompletion(client, tokenizer, metrics, name),
+                        OpenAIServingChat(client, tokenizer, metrics, name), name, model)
+    app = build_app(state)
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="info" if log_level.upper() == "DEBUG" else "warning",
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(config, state, args.shutdown_timeout)
+    client.set_on_fatal(server.fail)
+    print(f"ladle: serving {name!r} on http://{args.host}:{port}/v1 (pid {os.getpid()}); "
+          f"GET /health turns 200 once the engine has loaded", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    if server.error is not None:
+        print(f"error: {server.error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM drains: new requests get 503 while in-flight ones finish (up to a
+    timeout), then it stops and the process exits 0. A second signal, or SIGINT, stops at once."""
+
+    def __init__(self, config: Any, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self.error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Unlike uvicorn's, this does not re-raise the signal after shutdown: a drained stop exits 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None and self.started:
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+        elif self.should_exit:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        client = self.state.client
+        logger.warning("SIGTERM: answering 503 to new requests; finishing %d in flight (up to %g s)",
+                       client.num_in_flight, self.drain_timeout_s)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.num_in_flight:
+            logger.warning("%d requests still in flight after %g s; stopping anyway", client.num_in_flight,
+                           self.drain_timeout_s)
+        self.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        """The engine can never start with these settings: stop the server and exit 2 with the reason."""
+        self.error = reason
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.server",
+                                     description="OpenAI-compatible server over the ladle engine")
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_serve(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

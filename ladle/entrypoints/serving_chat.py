@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions."""
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+
+from ladle.engine.async_client import AsyncEngineClient
+from ladle.entrypoints.metrics import ServerMetrics
+from ladle.entrypoints.openai_protocol import (
+    ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+    ChatResponseMessage, DeltaMessage, TopLogprob,
+)
+from ladle.entrypoints.serving_engine import (
+    SSE_DONE, GenerationStream, OpenAIError, run_unless_disconnected, sampling_params, sse, sse_error,
+)
+from ladle.outputs import Logprob
+
+
+class OpenAIServingChat:
+    def __init__(self, client: AsyncEngineClient, tokenizer: Any, metrics: ServerMetrics, model_name: str) -> None:
+        self.client, self.tokenizer, self.metrics, self.model_name = client, tokenizer, metrics, model_name
+
+    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """Render with the tokenizer's chat template and encode without adding special tokens again, as the
+        offline LLM.chat does, so one conversation gives the same tokens on both paths."""
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            m.setdefault("content", "")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise OpenAIError(400, f"the chat template could not render these messages: {e}",
+                              code="invalid_value", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
+        return ids
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+        ids = self._prompt_ids(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, [ids], params)
+        await stream.start()
+        top_n = req.top_logprobs or 0
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(stream, top_n, include_usage), media_type="text/event-stream")
+        result = await run_unless_disconnected(lambda: self._collect(stream, top_n), raw_request, stream.abort)
+        if result is None:
+            return Response(status_code=499)  # the client hung up; nobody reads this
+        return JSONResponse(result.model_dump())
+
+    async def _collect(self, stream: GenerationStream, top_n: int) -> ChatCompletionResponse:
+        async for _ in stream.deltas():
+            pass
+        want_logprobs = stream.params.logprobs is not None
+        choices = [
+            ChatCompletionResponseChoice(
+                index=c.index, message=ChatResponseMessage(content=c.detok.output_text),
+                logprobs=_logprobs(c.token_ids, c.logprobs, top_n) if want_logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            )
+            for c in stream.choices
+        ]
+        return ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
+                                      usage=stream.usage)
+
+    def _chunk(self, stream: GenerationStream, choice: ChatCompletionResponseStreamChoice) -> str:
+        return sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.model_name,
+                                                choices=[choice]).model_dump_json())
+
+    async def _stream(self, stream: GenerationStream, top_n: int, include_usage: bool) -> AsyncIterator[str]:
+        want_logprobs = stream.params.logprobs is not None
+        try:
+            for c in stream.choices:  # OpenAI opens every choice with the role
+                yield self._chunk(stream, ChatCompletionResponseStreamChoice(
+                    index=c.index, delta=DeltaMessage(role="assistant", content="")))
+            async for deltas in stream.deltas():
+                for d in deltas:
+                    if not want_logprobs and not d.text and d.finish_reason is None:
+                        continue  # text held back (a stop string may be starting, or a character is split)
+                    logprobs = _logprobs(d.token_ids, d.logprobs, top_n) if want_logprobs else None
+                    yield self._chunk(stream, ChatCompletionResponseStreamChoice(
+                        index=d.choice.index, delta=DeltaMessage(content=d.text), logprobs=logprobs,
+                        finish_reason=d.finish_reason, stop_reason=d.choice.stop_reason if d.finish_reason else None,
+                    ))
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[],
+                                                       usage=stream.usage).model_dump_json())
+        except OpenAIError as e:
+            yield sse_error(e)
+        finally:
+            stream.abort()  # no-op when it finished; a client that hung up frees its KV blocks here
+        yield SSE_DONE
+
+
+def _entry(lp: Logprob) -> TopLogprob:
+    token = lp.decoded_token or ""
+    return TopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
+
+
+def _logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatCompletionLogProbs:
+    content = []
+    for tid, lps in zip(token_ids, logprobs):
+        sampled = lps.get(tid)
+        if sampled is None:
+            continue
+        top = sorted((lp for lp in lps.values() if lp.rank <= top_n), key=lambda lp: lp.rank)[:top_n]
+        content.append(ChatCompletionLogProbsContent(**_entry(sampled).model_dump(),
+                                                     top_logprobs=[_entry(lp) for lp in top]))
+    return ChatCompletionLogProbs(content=content)

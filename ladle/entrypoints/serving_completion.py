@@ -1,0 +1,128 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ladle.engine.async_client import AsyncEngineClient
+from ladle.entrypoints.metrics import ServerMetrics
+from ladle.entrypoints.openai_protocol import (
+    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
+)
+from ladle.entrypoints.serving_engine import (
+    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, OpenAIError, run_unless_disconnected, sampling_params,
+    sse, sse_error,
+)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, client: AsyncEngineClient, tokenizer: Any, metrics: ServerMetrics, model_name: str) -> None:
+        self.client, self.tokenizer, self.metrics, self.model_name = client, tokenizer, metrics, model_name
+
+    def _prompts(self, req: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token ids) of each prompt; a list of strings or of id lists is a batch."""
+        p = req.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            p = [p]
+        if not p:
+            raise OpenAIError(400, "prompt is empty; give a string, a list of token ids, or a batch of either",
+                              code="invalid_value", param="prompt")
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
+        for item in p:
+            if isinstance(item, str):
+                texts.append(item)
+                ids.append(self.tokenizer.encode(item))  # the same call the offline LLM makes
+            else:
+                texts.append(None)
+                ids.append(list(item))
+            if not ids[-1]:
+                raise OpenAIError(400, f"prompt {len(ids) - 1} is empty (no tokens)", code="invalid_value",
+                                  param="prompt")
+        return texts, ids
+
+    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Any:
+        if req.suffix is not None:
+            raise OpenAIError(400, "suffix is not supported", code="unsupported_parameter", param="suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise OpenAIError(400, "best_of other than n is not supported", code="unsupported_parameter",
+                              param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet",
+                              code="unsupported_parameter", param="echo")
+        texts, ids = self._prompts(req)
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, ids, params)
+        await stream.start()
+        echo = [self._echo_text(t, i) if req.echo else "" for t, i in zip(texts, ids)]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(stream, echo, include_usage), media_type="text/event-stream")
+        result = await run_unless_disconnected(lambda: self._collect(stream, echo), raw_request, stream.abort)
+        if result is None:
+            return Response(status_code=499)  # the client hung up; nobody reads this
+        return JSONResponse(result.model_dump())
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    async def _collect(self, stream: GenerationStream, echo: list[str]) -> CompletionResponse:
+        async for _ in stream.deltas():
+            pass
+        choices = []
+        for c in stream.choices:
+            prefix = echo[c.prompt_index]
+            logprobs = _logprobs(c.token_ids, c.logprobs, len(prefix)) if stream.params.logprobs is not None else None
+            choices.append(CompletionResponseChoice(index=c.index, text=prefix + c.detok.output_text,
+                                                    logprobs=logprobs, finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
+        return CompletionResponse(id=stream.request_id, model=self.model_name, choices=choices, usage=stream.usage)
+
+    async def _stream(self, stream: GenerationStream, echo: list[str], include_usage: bool) -> AsyncIterator[str]:
+        offsets = [len(echo[c.prompt_index]) for c in stream.choices]  # chars of token text sent per choice
+        try:
+            for c in stream.choices:
+                if echo[c.prompt_index]:
+                    yield sse(self._chunk(stream, c, echo[c.prompt_index], None).model_dump_json())
+            async for deltas in stream.deltas():
+                for d in deltas:
+                    logprobs = None
+                    if stream.params.logprobs is not None:
+                        logprobs = _logprobs(d.token_ids, d.logprobs, offsets[d.choice.index])
+                        offsets[d.choice.index] += sum(len(t) for t in logprobs.tokens)
+                    elif not d.text and d.finish_reason is None:
+                        continue  # nothing to say yet (text held back for a stop string or a split character)
+                    yield sse(self._chunk(stream, d.choice, d.text, logprobs, d).model_dump_json())
+            if include_usage:
+                usage_chunk = CompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[],
+                                                       usage=stream.usage)
+                yield sse(usage_chunk.model_dump_json())
+        except OpenAIError as e:
+            yield sse_error(e)
+        finally:
+            stream.abort()  # no-op when it finished; a client that hung up frees its KV blocks here
+        yield SSE_DONE
+
+    def _chunk(self, stream: GenerationStream, c: ChoiceState, text: str, logprobs: CompletionLogProbs | None,
+               delta: ChoiceDelta | None = None) -> CompletionStreamResponse:
+        finish = delta.finish_reason if delta is not None else None
+        choice = CompletionResponseChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=finish,
+                                          stop_reason=c.stop_reason if finish else None)
+        return CompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[choice])
+
+
+def _logprobs(token_ids: list[int], logprobs: list[dict], offset: int) -> CompletionLogProbs:
+    out = CompletionLogProbs()
+    for tid, lps in zip(token_ids, logprobs):
+        sampled = lps.get(tid)
+        token = sampled.decoded_token if sampled is not None else ""
+        out.tokens.append(token)
+        out.token_logprobs.append(sampled.logprob if sampled is not None else None)
+        out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in sorted(lps.values(), key=lambda x: x.rank)})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out

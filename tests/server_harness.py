@@ -1,0 +1,139 @@
+"""Runs `python -m ladle.entrypoints.server` as a subprocess on a free loopback port, for the server tests.
+
+Every wait is bounded, and stop() escalates from SIGTERM to SIGKILL (engine process included), so a broken
+server fails a test instead of hanging CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+_LISTENING = re.compile(r"ladle: serving .* on http://127\.0\.0\.1:(\d+)/v1")
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str, log_dir: Path, *flags: str) -> None:
+        self.cmd = [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir, "--host", "127.0.0.1",
+                    "--port", "0", *flags]
+        self.log_path = log_dir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen | None = None
+        self.base_url = ""
+
+    def start(self, timeout: float = 90.0, wait_healthy: bool = True) -> "ServerProcess":
+        log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not self.base_url:
+            m = _LISTENING.search(self.log())
+            if m:
+                self.base_url = f"http://127.0.0.1:{m.group(1)}"
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server did not start listening:\n{self.log()}")
+            else:
+                time.sleep(0.1)
+        if wait_healthy:
+            try:
+                self.wait_health(200, deadline - time.monotonic())
+            except BaseException:
+                self.kill()
+                raise
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        r = httpx.get(self.base_url + "/health", timeout=10)
+        return r.status_code, r.json()
+
+    def wait_health(self, status: int, timeout: float, **expect: Any) -> dict[str, Any]:
+        """Poll /health until it answers `status` (and the body has the `expect` items)."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                code, body = self.health()
+                last = (code, body)
+                if code == status and all(body.get(k) == v for k, v in expect.items()):
+                    return body
+            except httpx.HTTPError as e:
+                last = e
+            time.sleep(0.05)
+        raise AssertionError(f"/health never answered {status} {expect} in {timeout} s; last: {last}\n{self.log()}")
+
+    def metrics(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=10).text
+
+    def post(self, path: str, body: Any = None, content: bytes | None = None, timeout: float = 60) -> httpx.Response:
+        if content is not None:
+            return httpx.post(self.base_url + path, content=content, timeout=timeout,
+                              headers={"content-type": "application/json"})
+        return httpx.post(self.base_url + path, json=body, timeout=timeout)
+
+    def engine_pid(self) -> int:
+        return self.health()[1]["engine_pid"]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL (the engine too) if it does not exit in time; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        pid = None
+        try:
+            pid = self.health()[1].get("engine_pid") if self.base_url else None
+        except (httpx.HTTPError, json.JSONDecodeError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def sse_events(lines: list[str]) -> list[Any]:
+    """The JSON payloads of SSE `data:` lines, with "[DONE]" kept as the string."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error_envelope(r: httpx.Response, status: int, code: str | None = None,
+                          param: str | None = None) -> dict[str, Any]:
+    """The response is OpenAI's error envelope with this status (and code and param, when given)."""
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
