@@ -41,7 +41,7 @@ def test_request_that_can_never_fit_is_rejected_before_any_work(tiny_qwen3_dir):
         llm.generate(prompts_of([10, 250, 10]), params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompt 0: .*whole pool has 8"):
         llm.generate(prompts_of([150]), params, use_tqdm=False)
-    assert llm.stats.steps == [] and not llm.engine.has_unfinished_requests()
+    assert llm.stats.num_steps == 0 and not llm.engine.has_unfinished_requests()
     outs = llm.generate(prompts_of([10, 10]), params, use_tqdm=False)  # the engine still serves
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
 

@@ -153,8 +153,8 @@ class EngineCore:
         return outs
 
     def _record(self, sched: SchedulerOutput, ms: float) -> None:
-        self.stats.steps.append(StepRecord(
-            step=len(self.stats.steps), num_tokens=sched.num_tokens, num_prefill_chunks=sched.num_prefill_chunks,
+        self.stats.record(StepRecord(
+            step=self.stats.num_steps, num_tokens=sched.num_tokens, num_prefill_chunks=sched.num_prefill_chunks,
             num_decodes=sched.num_decodes, num_preempted=len(sched.preempted_ids), ms=ms,
         ))
         self.stats.num_preemptions += len(sched.preempted_ids)

@@ -27,8 +27,6 @@ from ladle.request import RequestRejected
 
 logger = logging.getLogger("ladle.engine_process")
 
-# A long-running server must not grow without bound: the core keeps one StepRecord per step (for --profile).
-_MAX_KEPT_STEPS = 1024
 _MAX_MESSAGES_PER_STEP = 256
 
 
@@ -72,9 +70,6 @@ class EngineLoop:
         self.core = core
         self.conn = conn
         self.max_queue_len = max_queue_len
-        self.num_steps = 0
-        self.prefill_chunks = 0
-        self._seen_steps = 0
 
     def snapshot(self) -> EngineSnapshot:
         core, stats = self.core, self.core.stats
@@ -83,9 +78,9 @@ class EngineLoop:
             num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
             kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks,
             num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens, prefill_chunks=self.prefill_chunks,
-            prefix_cache_queries=getattr(stats, "prefix_cache_queries", 0),
-            prefix_cache_hits=getattr(stats, "prefix_cache_hits", 0), num_steps=self.num_steps,
+            generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
+            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            num_steps=stats.num_steps,
         )
 
     def run(self) -> None:
@@ -153,12 +148,6 @@ class EngineLoop:
         self.conn.send(("added", parent_id))
 
     def _account(self, outputs: list) -> None:
-        self.num_steps += 1
-        steps = self.core.stats.steps
-        self.prefill_chunks += sum(s.num_prefill_chunks for s in steps[self._seen_steps:])
-        if len(steps) > 2 * _MAX_KEPT_STEPS:
-            del steps[:-_MAX_KEPT_STEPS]
-        self._seen_steps = len(steps)
         self._forget(o.request_id for o in outputs if o.finish_reason is not None)
 
     def _forget(self, request_ids) -> None:

@@ -1,7 +1,11 @@
 """Counters the core keeps so tests and --profile read facts, not logs."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+# Per-step records kept for --profile and tests; a long-running server keeps only the latest ones.
+MAX_STEP_RECORDS = 100_000
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,10 @@ class StepRecord:
 
 @dataclass
 class EngineStats:
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=MAX_STEP_RECORDS))
+    num_steps: int = 0
+    num_prefill_chunks: int = 0
+    max_step_tokens: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
     generation_tokens: int = 0
@@ -31,9 +38,11 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
-    @property
-    def max_step_tokens(self) -> int:
-        return max((s.num_tokens for s in self.steps), default=0)
+    def record(self, step: StepRecord) -> None:
+        self.steps.append(step)
+        self.num_steps += 1
+        self.num_prefill_chunks += step.num_prefill_chunks
+        self.max_step_tokens = max(self.max_step_tokens, step.num_tokens)
 
     def profile_table(self) -> str:
         lines = [f"{'step':>6} {'tokens':>7} {'chunks':>7} {'decodes':>8} {'preempt':>8} {'ms':>9}"]
@@ -43,7 +52,7 @@ class EngineStats:
                 f"{s.num_preempted:>8} {s.ms:>9.2f}"
             )
         total_ms = sum(s.ms for s in self.steps)
-        lines.append(f"{len(self.steps)} steps, {sum(s.num_tokens for s in self.steps)} tokens, "
+        lines.append(f"{self.num_steps} steps, {sum(s.num_tokens for s in self.steps)} tokens, "
                      f"largest step {self.max_step_tokens} tokens, {total_ms / 1000:.2f} s in steps, "
                      f"{self.num_preemptions} preemptions, prefix cache hit {self.prefix_cache_hits} of "
                      f"{self.prefix_cache_queries} tokens")
