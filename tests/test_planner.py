@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.config import EngineArgs
 from ladle.engine.memory import measure_peak, parse_bytes
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ActivationModel, profile_points
-from ladle.engine.setup import load_and_plan
-from ladle.models.loader import kv_cache_shape_params, load_model
+from ladle.models.loader import kv_cache_shape_params
 
 MiB = 2**20
 

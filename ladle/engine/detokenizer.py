@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ladle.outputs import Logprob
+
 REPLACEMENT_CHAR = "\ufffd"
 # vLLM primes the window with the prompt's last tokens: at least this many, ...
 _PROMPT_CONTEXT_MIN = 5
@@ -150,3 +152,13 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._sent : end]
         self._sent = end
         return delta
+
+
+def decode_logprobs(tokenizer: Any, logprobs: dict[int, Logprob] | None) -> dict[int, Logprob]:
+    """Fill in each candidate token's text, as vLLM reports it (each token decoded alone)."""
+    if logprobs is None:
+        return {}
+    for tid, lp in logprobs.items():
+        if lp.decoded_token is None:
+            lp.decoded_token = tokenizer.decode([tid])
+    return logprobs

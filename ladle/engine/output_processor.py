@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ladle.engine.core import EngineCoreOutput
-from ladle.engine.detokenizer import IncrementalDetokenizer
-from ladle.outputs import CompletionOutput, Logprob, RequestOutput
+from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
+from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams
 
 
@@ -54,7 +54,7 @@ class OutputProcessor:
             comp = parent.outputs[child.index]
             comp.token_ids.extend(co.new_token_ids)
             if comp.logprobs is not None:
-                comp.logprobs.extend(self._decoded(lp) for lp in co.new_logprobs)
+                comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
             # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
             stop_str = child.detok.update(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
             if stop_str is not None:
@@ -75,11 +75,3 @@ class OutputProcessor:
                 parent.finished = True
                 del self.parents[rid]
         return list(touched.values()), to_abort
-
-    def _decoded(self, logprobs: dict[int, Logprob] | None) -> dict[int, Logprob]:
-        if logprobs is None:
-            return {}
-        for tid, lp in logprobs.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([tid])
-        return logprobs

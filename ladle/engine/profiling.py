@@ -108,6 +108,18 @@ def profile_points(
     """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
     case); decode steps of each row count at context min(max_context, tile), where their workspace tops out,
     and a few rows at max_context to confirm it stays flat."""
+    points = _measure(model, kv_shape, dtype, device, block_size, vocab_size, token_counts, max_context,
+                      decode_rows, tile)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the scratch pool is gone; give its memory back before the real one
+    return points
+
+
+def _measure(
+    model: torch.nn.Module, kv_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+    block_size: int, vocab_size: int, token_counts: list[int], max_context: int, decode_rows: list[int],
+    tile: int,
+) -> list[ProfilePoint]:
     num_layers, num_kv_heads, head_dim = kv_shape
     num_blocks = -(-max_context // block_size)
     # A scratch pool for one max_context sequence; decodes share its block table (values do not matter).
@@ -126,9 +138,6 @@ def profile_points(
     short = min(max_context, tile)
     points += [measure("decode", d, short) for d in decode_rows]
     points.append(measure("decode", min(4, *decode_rows), max_context))
-    del runner, caches
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return points
 
 

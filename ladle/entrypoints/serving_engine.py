@@ -11,7 +11,7 @@ from fastapi import Request
 
 from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 from ladle.engine.core import EngineCoreOutput
-from ladle.engine.detokenizer import IncrementalDetokenizer
+from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 from ladle.outputs import Logprob
@@ -180,7 +180,7 @@ class GenerationStream:
             elif ch.last_token_time is not None:
                 self.metrics.inter_token_latency.observe(now - ch.last_token_time)
             ch.last_token_time = now
-        new_logprobs = [self._decoded(lp) for lp in out.new_logprobs] if self.params.logprobs is not None else []
+        new_logprobs = [decode_logprobs(self.tokenizer, lp) for lp in out.new_logprobs] if self.params.logprobs is not None else []
         ch.token_ids.extend(out.new_token_ids)
         ch.logprobs.extend(new_logprobs)
         stop_str = ch.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
@@ -194,14 +194,6 @@ class GenerationStream:
             ch.detok.finish()
             self.metrics.finished(ch.finish_reason)
         return ChoiceDelta(ch, ch.detok.text_delta(), list(out.new_token_ids), new_logprobs)
-
-    def _decoded(self, logprobs: dict[int, Logprob] | None) -> dict[int, Logprob]:
-        if logprobs is None:
-            return {}
-        for tid, lp in logprobs.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([tid])
-        return logprobs
 
 
 async def run_unless_disconnected(work: Callable[[], Awaitable[T]], raw_request: Request,

@@ -9,7 +9,6 @@ batched in groups whose gathered keys stay under `decode_group_tokens`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ladle.worker.inputs import AttentionMetadata
 
