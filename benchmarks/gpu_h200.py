@@ -1,0 +1,511 @@
+"""One bounded device run: checks the Triton kernels on the GPU, times ladle, runs the seed-A scenario and
+the HF transformers peer, prints a short table and writes results.json. See benchmarks/GPU.md.
+
+Weights are random, built in place on the device (no checkpoint, no download): throughput does not depend
+on weight values, and every generation ignores EOS so lengths are exact.
+    python benchmarks/gpu_h200.py --out "$OUT"            # H200, about 8 minutes
+    python benchmarks/gpu_h200.py --dry-run --out /tmp/b  # tiny shapes on CPU, checks the control flow
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the device machine has no network; fail fast, never hang
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout there has ladle uninstalled
+
+import torch  # noqa: E402
+
+GiB = 2**30
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+QWEN3_14B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                 num_attention_heads=40, num_key_value_heads=8, head_dim=128)
+# Same head grouping as the real shapes (4 and 5 query heads per KV head), small enough for a CPU.
+TINY_8B = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+TINY_14B = dict(TINY_8B, num_attention_heads=10)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    decode_prompt: int = 128
+    decode_new: int = 256
+    prefill_prompt: int = 16384
+    prefill_chunks: tuple[int, ...] = (2048, 8192)
+    long_prompt: int = 131072
+    long_new: int = 4
+    offline_in: int = 1000
+    offline_out: int = 1000
+    offline_requests: int = 1024
+    offline_seconds: float = 150.0
+    seed_requests: int = 16
+    seed_prompt: int = 3338
+    seed_budget: int = 1024
+    seed_new: int = 20
+    hf_batch1: tuple[int, int] = (128, 256)  # prompt, new tokens
+    hf_batch64: tuple[int, int] = (1000, 256)
+    hf_batch: int = 64
+    graph_context: int = 512
+    graph_batches: tuple[int, ...] = (1, 64)
+
+
+DRY = Sizes(decode_prompt=16, decode_new=8, prefill_prompt=256, prefill_chunks=(64, 128), long_prompt=1024,
+            long_new=2, offline_in=32, offline_out=8, offline_requests=6, offline_seconds=60.0, seed_requests=4,
+            seed_prompt=100, seed_budget=64, seed_new=3, hf_batch1=(16, 8), hf_batch64=(32, 8), hf_batch=4,
+            graph_context=40, graph_batches=(1, 3))
+
+
+class Run:
+    """Results and the time budget: a section runs only if its estimate fits in what is left, and a section
+    that fails is recorded with its error, so one bad section never loses the others."""
+
+    def __init__(self, budget_s: float, out_dir: Path, device: torch.device) -> None:
+        self.start, self.budget, self.out_dir, self.device = time.perf_counter(), budget_s, out_dir, device
+        self.results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                                        "torch": torch.__version__, "sections": {}}
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+    def section(self, name: str, estimate_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if self.left() < estimate_s:
+            self.results["sections"][name] = {"skipped": f"needs ~{estimate_s:.0f}s, {self.left():.0f}s left"}
+            print(f"[skip] {name}", flush=True)
+            return None
+        print(f"[run ] {name} ({self.left():.0f}s left)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 - record and go on: the other sections still count
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            print(res["traceback"], file=sys.stderr, flush=True)
+        res["section_s"] = round(time.perf_counter() - t0, 1)
+        self.results["sections"][name] = res
+        (self.out_dir / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+        return res
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def qwen3_config(shape: dict[str, int], max_len: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**shape, max_position_embeddings=max_len, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       architectures=["Qwen3ForCausalLM"], eos_token_id=shape["vocab_size"] - 1)
+
+
+def random_model(config: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """ladle's model for config, random weights initialised on the device itself (no host copy)."""
+    from ladle.models.layers import RotaryEmbedding
+    from ladle.models.registry import model_class_for
+
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:  # norm weights 1, biases 0: what a trained model's scale looks like
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.init_buffers()
+    return model.requires_grad_(False).eval()
+
+
+def build_engine(config: Any, workdir: Path, device: torch.device, **engine_kwargs: Any) -> Any:
+    """An EngineCore whose loader builds random weights in place of reading a checkpoint; the directory holds
+    only config.json, which the rest of startup (planning, EOS lookup) reads as usual."""
+    from ladle.config import EngineArgs
+    from ladle.engine.core import EngineCore
+
+    path = workdir / f"model-{config.num_hidden_layers}x{config.hidden_size}"
+    config.save_pretrained(path)
+
+    def load(model_dir: str, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+        return random_model(config, torch.device(dev), dtype), config
+
+    args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), **engine_kwargs)
+    with mock.patch("ladle.engine.setup.load_model", load):
+        return EngineCore(args, explicit)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1, (n, length), generator=g).tolist()
+
+
+def generate(core: Any, batch: list[list[int]], new: int, ids: itertools.count, deadline: float = float("inf")) -> dict:
+    """Run the batch through core.step() until done or past the deadline (then the rest is aborted)."""
+    from ladle.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    live = set()
+    for p in batch:
+        req = core.make_request(f"r{next(ids)}", p, params)
+        core.add_request(req)
+        live.add(req.request_id)
+    device = core.config.device
+    steps_before = core.stats.num_steps
+    out_tokens = finished = 0
+    first = None
+    t0 = time.perf_counter()
+    while core.has_unfinished_requests():
+        if time.perf_counter() > deadline:
+            core.abort_requests(sorted(live))
+            break
+        for o in core.step():
+            out_tokens += len(o.new_token_ids)
+            if first is None and out_tokens:
+                first = time.perf_counter()
+            if o.finish_reason is not None:
+                finished += o.finish_reason in ("length", "stop")
+                live.discard(o.request_id)
+    sync(device)
+    wall = time.perf_counter() - t0
+    after_first = time.perf_counter() - (first or t0)
+    n_steps = core.stats.num_steps - steps_before
+    steps = list(core.stats.steps)[-n_steps:] if n_steps else []  # a bounded history: the latest records
+    return dict(requests=len(batch), finished=finished, output_tokens=out_tokens, wall_s=round(wall, 3),
+                steps=n_steps, largest_step=max((r.num_tokens for r in steps), default=0),
+                output_tok_s=round(out_tokens / wall, 1), first_token_s=round((first or t0) - t0, 3),
+                decode_tok_s=round((out_tokens - len(batch)) / after_first, 1) if after_first > 0 else None)
+
+
+def peak(core: Any, fn: Callable[[], dict]) -> dict:
+    """fn's result plus the activation peak it caused (above weights + KV pool) and the device total."""
+    from ladle.engine.memory import measure_peak
+
+    box: dict[str, dict] = {}
+    device = core.config.device
+    act = measure_peak(lambda: box.setdefault("r", fn()), device)
+    res = box["r"]
+    res["activation_peak_gib"] = round(act / GiB, 3)
+    res["plan_activation_peak_gib"] = round(core.config.plan.activation_peak / GiB, 3)
+    if device.type == "cuda":
+        res["device_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    return res
+
+
+def linear_flops_per_token(cfg: Any) -> float:
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkvo = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    return 2.0 * cfg.num_hidden_layers * (qkvo + 3 * h * inter)
+
+
+def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) -> dict:
+    """A prompt_len prompt prefilled in chunks of `chunk` straight through the model runner, on a scratch
+    KV pool so the engine's own (prefix-cached) blocks are never touched. Second pass is timed."""
+    from ladle.worker.inputs import ScheduledChunk
+    from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
+    from ladle.worker.sampler import SamplingMetadata
+    from ladle.sampling_params import SamplingParams
+    from ladle.models.loader import kv_cache_shape_params
+
+    cfg, ec = core.hf_config, core.config
+    layers, kvh, hd = kv_cache_shape_params(cfg)
+    blocks = -(-prompt_len // ec.block_size)
+    runner = ModelRunner(core.runner.model, allocate_kv_caches(layers, blocks, ec.block_size, kvh, hd, ec.dtype,
+                                                               ec.device), ec.block_size, ec.device)
+    ids, table = prompts(1, prompt_len, cfg.vocab_size, 7)[0], list(range(blocks))
+    greedy = SamplingMetadata([SamplingParams(temperature=0.0)], [None], [[]], [[]], [frozenset()])
+    empty = SamplingMetadata([], [], [], [], [])
+    times = []
+    for _ in range(2):
+        sync(ec.device)
+        t0 = time.perf_counter()
+        for s in range(0, prompt_len, chunk):
+            last = s + chunk >= prompt_len
+            runner.run([ScheduledChunk(ids[s : s + chunk], s, table, last)], greedy if last else empty)
+        sync(ec.device)
+        times.append(time.perf_counter() - t0)
+    attn = 4.0 * layers * cfg.num_attention_heads * hd * prompt_len * (prompt_len + 1) / 2
+    flops = linear_flops_per_token(cfg) * prompt_len + attn
+    return dict(prompt=prompt_len, chunk=chunk, tok_s=round(prompt_len / times[-1], 1),
+                tflops=round(flops / times[-1] / 1e12, 1), mfu=round(flops / times[-1] / (peak_tflops * 1e12), 3),
+                attention_flop_share=round(attn / flops, 3), cold_s=round(times[0], 2), warm_s=round(times[-1], 2))
+
+
+def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
+    """Decode steps eager vs replayed from CUDA graphs (ladle.worker.cuda_graphs), on a scratch KV pool:
+    step time at each batch size, and how far the graph's logits are from the eager ones."""
+    from ladle.worker.cuda_graphs import DecodeGraphs
+    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+    from ladle.worker.model_runner import allocate_kv_caches
+    from ladle.models.loader import kv_cache_shape_params
+
+    ec, model = core.config, core.runner.model
+    layers, kvh, hd = kv_cache_shape_params(core.hf_config)
+    per_seq = -(-(context + 1) // ec.block_size)
+    caches = allocate_kv_caches(layers, per_seq * max(batches), ec.block_size, kvh, hd, ec.dtype, ec.device)
+    t0 = time.perf_counter()
+    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device)
+    if ec.device.type == "cuda":
+        graphs.capture()
+    res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
+
+    def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device)
+        return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
+
+    for b in batches:
+        chunks = [ScheduledChunk([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
+        row: dict[str, Any] = {}
+        with torch.inference_mode():
+            for name, fn in (("eager", eager), ("graph", graphs.run)):
+                fn(chunks)
+                sync(ec.device)
+                t1 = time.perf_counter()
+                for _ in range(20):
+                    logits = fn(chunks)
+                sync(ec.device)
+                row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
+                row[f"{name}_logits"] = logits.float().clone()
+        diff = (row.pop("graph_logits") - row.pop("eager_logits")).abs()
+        speedup = round(row["eager_ms"] / row["graph_ms"], 2)
+        res[f"batch{b}"] = dict(row, max_abs_logit_diff=float(diff.max()), speedup=speedup)
+    return res
+
+
+def kernel_check(device: torch.device, small: bool) -> dict:
+    """The Triton kernels against the CPU fp32 torch reference at the 8B head shape, on a mixed step."""
+    from ladle.worker import attention as reference
+    from ladle.worker import triton_attention
+    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+
+    res: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    page, heads, kvh, dim, nblocks = (16, 8, 2, 32, 40) if small else (16, 32, 8, 128, 700)
+    requests = [(0, 700), (1500, 300), (2999, 1), (16, 1), (0, 1), (511, 1), (64, 40), (4000, 1)]
+    requests = [(0, 19), (21, 13), (47, 1), (0, 1)] if small else requests
+    free = torch.randperm(nblocks, generator=g).tolist()
+    chunks = []
+    for start, n in requests:
+        need = -(-(start + n) // page)
+        chunks.append(ScheduledChunk([0] * n, start, free[:need], True))
+        free = free[need:]
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)):
+        kc, vc = (torch.randn(nblocks, page, kvh, dim, generator=g).to(dtype) for _ in range(2))
+        step = build_step_inputs(chunks, page)
+        t = step.num_tokens
+        q, k, v = (torch.randn(t, h, dim, generator=g).to(dtype) for h in (heads, kvh, kvh))
+        kr, vr = kc.float(), vc.float()
+        want = reference.paged_attention(q.float(), k.float(), v.float(), kr, vr, step.attn, dim**-0.5)
+        gpu = build_step_inputs(chunks, page, device)
+        kd, vd = kc.to(device), vc.to(device)
+        got = triton_attention.paged_attention(q.to(device), k.to(device), v.to(device), kd, vd, gpu.attn, dim**-0.5)
+        err = (got.float().cpu() - want).abs().max().item()
+        pool_ok = torch.equal(kd.float().cpu(), kr) and torch.equal(vd.float().cpu(), vr)
+        res[str(dtype).removeprefix("torch.")] = dict(max_abs_err=err, tol=tol, ok=bool(err <= tol and pool_ok))
+    res["ok"] = all(v["ok"] for v in res.values())
+    return res
+
+
+def kernel_speed(device: torch.device) -> dict:
+    """Attention alone at the 8B head shape: a long prefill chunk (TFLOP/s) and a wide decode (GB/s of KV
+    read), for the default tiles and a few others, so the next round can retune without a sweep."""
+    from ladle.worker import triton_attention as ta
+    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+
+    page, heads, kvh, dim = 16, 32, 8, 128
+    cases = {"prefill_8192_at_8192": [(8192, 8192)], "decode_256_at_2048": [(2047, 1)] * 256}
+    tiles = {"default": None, "64x64w4": ta.TileConfig(64, 64, 4, 2), "128x64w8": ta.TileConfig(128, 64, 8, 2),
+             "16x64w4": ta.TileConfig(16, 64, 4, 2), "16x128w4": ta.TileConfig(16, 128, 4, 2)}
+    res: dict[str, Any] = {}
+    for name, reqs in cases.items():
+        blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
+        chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
+        step = build_step_inputs(chunks, page, device)
+        nb = sum(len(c.block_ids) for c in chunks)
+        kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
+        flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)
+        kv_bytes = sum(2.0 * (s + n) * kvh * dim * 2 for s, n in reqs)
+        for label, tile in tiles.items():
+            ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)  # compile and warm up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)
+            end.record()
+            torch.cuda.synchronize(device)
+            ms = start.elapsed_time(end) / 5
+            res[f"{name}/{label}"] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                                          kv_gb_s=round(kv_bytes / ms / 1e6, 1))
+    return res
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Path, ids: itertools.count) -> None:
+    # Context past 128K so a 131,072-token prompt plus its new tokens is admitted on the default settings.
+    config = qwen3_config(shape, s.long_prompt + 2048)
+    vocab, box = config.vocab_size, {}
+
+    def start() -> dict:
+        t0 = time.perf_counter()
+        core = box["core"] = build_engine(config, workdir, run.device)
+        built = time.perf_counter() - t0
+        generate(core, prompts(2, 16, vocab, 1), 4, ids)  # warm-up at small shapes
+        c = core.config
+        return dict(startup_s=round(built, 1), max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+                    max_num_batched_tokens=c.max_num_batched_tokens, num_kv_blocks=c.num_kv_blocks,
+                    plan=c.plan.lines())
+
+    run.section("ladle_8b_startup", 60, start)
+    core = box.pop("core", None)
+    if core is None:
+        return
+    run.section("ladle_8b_decode_batch1", 15,
+                lambda: generate(core, prompts(1, s.decode_prompt, vocab, 2), s.decode_new, ids))
+    run.section("ladle_8b_decode_cuda_graphs", 30, lambda: decode_graphs(core, s.graph_context, s.graph_batches))
+    for chunk in s.prefill_chunks:
+        run.section(f"ladle_8b_prefill_chunk{chunk}", 15, lambda c=chunk: prefill_speed(core, s.prefill_prompt, c,
+                                                                                        a.peak_tflops))
+    run.section("ladle_8b_prompt_131k", 45,
+                lambda: peak(core, lambda: generate(core, prompts(1, s.long_prompt, vocab, 3), s.long_new, ids)))
+
+    def offline() -> dict:
+        seconds = min(s.offline_seconds, run.left() - a.reserve_s)
+        res = generate(core, prompts(s.offline_requests, s.offline_in, vocab, 4), s.offline_out, ids,
+                       time.perf_counter() + seconds)
+        return dict(res, time_limit_s=round(seconds, 1))
+
+    run.section("ladle_8b_offline_1000x1000", 40, offline)
+
+
+def seed_a(run: Run, s: Sizes, shape: dict, workdir: Path, ids: itertools.count) -> dict:
+    """Seed report 000: 16 x 3,338-token prompts at a 1,024-token step budget must complete."""
+    core = build_engine(qwen3_config(shape, 40960), workdir, run.device, max_num_batched_tokens=s.seed_budget)
+    res = peak(core, lambda: generate(core, prompts(s.seed_requests, s.seed_prompt, core.hf_config.vocab_size, 5),
+                                      s.seed_new, ids))
+    return dict(res, completed=res["finished"] == s.seed_requests, budget=s.seed_budget)
+
+
+def hf_peer(run: Run, s: Sizes, shape: dict) -> None:
+    """HF transformers generate (SDPA attention, its default cache) on the same shape and device."""
+    from transformers import AutoModelForCausalLM
+
+    device = run.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = qwen3_config(shape, 40960)
+    box: dict[str, Any] = {}
+
+    def build() -> dict:
+        t0 = time.perf_counter()
+        with torch.device(device):
+            box["m"] = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        return dict(build_s=round(time.perf_counter() - t0, 1))
+
+    def gen(batch: int, plen: int, new: int) -> dict:
+        model = box["m"]
+        ids = torch.tensor(prompts(batch, plen, config.vocab_size, 6), device=device)
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        times = []
+        with torch.inference_mode():
+            for n in (1, new):  # one token alone gives the prefill time to subtract
+                sync(device)
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+        assert out.shape[1] == plen + new
+        return dict(batch=batch, prompt=plen, new=new, prefill_s=round(times[0], 3), wall_s=round(times[1], 3),
+                    output_tok_s=round(batch * new / times[1], 1),
+                    decode_tok_s=round(batch * (new - 1) / max(1e-9, times[1] - times[0]), 1))
+
+    if "error" in (run.section("hf_build", 30, build) or {"error": "skipped"}):
+        return
+    run.section("hf_batch1", 20, lambda: (gen(1, 8, 2), gen(1, *s.hf_batch1))[1])  # a tiny warm-up first
+    run.section(f"hf_batch{s.hf_batch}", 40, lambda: gen(s.hf_batch, *s.hf_batch64))
+    box.clear()
+
+
+_SHOWN = ("ok", "max_abs_err", "completed", "finished", "requests", "output_tok_s", "decode_tok_s", "tok_s", "mfu",
+          "tflops", "largest_step", "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib",
+          "startup_s", "max_num_batched_tokens", "wall_s")
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name, res in results["sections"].items():
+        if "error" in res or "skipped" in res:
+            cells = [f"ERROR {res['error'][:100]}" if "error" in res else f"skipped ({res['skipped']})"]
+        elif name == "kernel_check":
+            cells = [f"{k}: err {v['max_abs_err']:.1e} {'ok' if v['ok'] else 'FAIL'}" for k, v in res.items()
+                     if isinstance(v, dict)]
+        elif name.endswith("cuda_graphs"):
+            cells = [f"capture {res['capture_s']}s"] + [
+                f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "
+                f"{v['max_abs_logit_diff']:.1e})" for k, v in res.items() if isinstance(v, dict)]
+        elif name == "kernel_speed":
+            cells = [f"{k} {v['ms']}ms {v['tflops']}TF {v['kv_gb_s']}GB/s" for k, v in res.items()
+                     if isinstance(v, dict)]
+        else:
+            cells = [f"{k}={res[k]}" for k in _SHOWN if res.get(k) is not None]
+        lines.append(f"{name:<30} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_results"), help="folder for results.json")
+    ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; sections that would overrun skip")
+    ap.add_argument("--reserve-s", type=float, default=150.0, help="kept for seed-A and HF when sizing offline")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200 SXM)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the control flow")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernel check runs on CPU
+        device, s, shape8, shape14 = torch.device("cpu"), DRY, TINY_8B, TINY_14B
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device; use --dry-run to check the script on CPU")
+        device, s, shape8, shape14 = torch.device("cuda"), Sizes(), QWEN3_8B, QWEN3_14B
+    run = Run(a.time_budget, Path(a.out), device)
+    ids = itertools.count()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        run.section("kernel_check", 20, lambda: kernel_check(device, small=a.dry_run))
+        if device.type == "cuda":
+            run.section("kernel_speed", 30, lambda: kernel_speed(device))
+        free(device)  # the kernel sections' blocks, still reserved, would count against the engine's budget
+        ladle_8b(run, a, s, shape8, workdir, ids)
+        free(device)
+        run.section("seed_a_14b", 60, lambda: seed_a(run, s, shape14, workdir, ids))
+        free(device)
+        hf_peer(run, s, shape8)
+        free(device)
+    run.results["total_s"] = round(time.perf_counter() - run.start, 1)
+    (run.out_dir / "results.json").write_text(json.dumps(run.results, indent=1, default=str))
+    print(f"\n== ladle on {run.results['device']} ({run.results['total_s']} s) ==\n{table(run.results)}")
+    print(f"results: {run.out_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
