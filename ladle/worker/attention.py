@@ -30,7 +30,8 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, start: int, end: int, dty
     block_size, kvh, hd = cache.shape[1:]
     first, last = start // block_size, -(-end // block_size)
     ids = tables[:, first:last].to(torch.long)
-    ctx = cache[ids].reshape(ids.shape[0], (last - first) * block_size, kvh, hd)
+    # index_select on the flat block ids is several times faster than advanced indexing on CPU.
+    ctx = cache.index_select(0, ids.reshape(-1)).view(ids.shape[0], (last - first) * block_size, kvh, hd)
     offset = start - first * block_size
     return ctx[:, offset : offset + end - start].transpose(1, 2).to(dtype)
 
