@@ -1,4 +1,4 @@
-"""`ladle generate | serve | plan | demo-model`: the command line."""
+"""`ladle generate | serve | plan | bench | demo-model`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ladle.entrypoints.server import add_serve_parser  # argparse + uvicorn only at import time
 
     add_serve_parser(sub)
+    from ladle.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights")
     demo.add_argument("dir")

@@ -1,0 +1,101 @@
+"""Shared by the benchmark scripts: the benchmark checkpoints, machine facts, JSON results.
+
+Checkpoints are Qwen3 with random weights (speed does not depend on their values), built once into a cache
+directory. The tokenizer is the demo BPE (about 11,900 learned tokens) padded with plain added tokens
+`<tN>` up to the model's vocab, so every id the model can emit decodes to text, as with a real vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(os.environ.get("LADLE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+
+MODELS: dict[str, dict[str, Any]] = {
+    # The throughput / latency model: 41.6M parameters, real work on 2 CPU cores.
+    "qwen3-512": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=64, intermediate_size=1536, max_position_embeddings=32768),
+    # Narrow, for the 32K-token measurements (memory, stalls) that must finish in minutes on 2 cores.
+    "qwen3-256": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=32768),
+    # For debugging the scripts.
+    "tiny": dict(vocab_size=12000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=32768),
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("LADLE_BENCH_CACHE") or Path(tempfile.gettempdir()) / "ladle-bench-models"
+    return Path(base)
+
+
+def build_model(name: str) -> str:
+    """The checkpoint directory of MODELS[name], built on first use (a few seconds)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ladle.demo import build_checkpoint
+
+    out = cache_dir() / name
+    if (out / "done").exists():
+        return str(out)
+    spec = dict(MODELS[name])
+    vocab = spec.pop("vocab_size")
+    build_checkpoint(out, "qwen3", vocab_size=min(vocab, 11000), seed=0, **spec)
+    tok = AutoTokenizer.from_pretrained(out)
+    if vocab > len(tok):
+        tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab)])
+        tok.save_pretrained(out)
+    config = AutoConfig.from_pretrained(out)
+    if config.vocab_size != vocab:
+        config.vocab_size = vocab
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig.from_pretrained(out)
+        model.save_pretrained(out, safe_serialization=True)
+    (out / "done").write_text("ok\n")
+    return str(out)
+
+
+def set_budget(core: Any, budget: int) -> None:
+    """The same EngineCore with a smaller step budget and chunk cap. The scheduler reads both from its config
+    on every step; callers check the core's counters (largest step, chunk count) to prove it applied."""
+    core.config = dataclasses.replace(core.config, max_num_batched_tokens=budget, max_prefill_length=budget)
+    core.scheduler.config = core.config
+
+
+def model_facts(model_dir: str) -> dict[str, Any]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "max_position_embeddings")
+    return {k: cfg.get(k) for k in keys}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "transformers": transformers.__version__,
+            "python": platform.python_version(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "load_average_1_5_15": os.getloadavg()}
+
+
+def command() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def save(name: str, result: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    result = {"command": command(), "machine": machine(), **result}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

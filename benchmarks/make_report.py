@@ -1,0 +1,256 @@
+"""Turn benchmarks/results/*.json into BENCHMARKS.md (tables) and benchmarks/plots/*.png (matplotlib).
+
+Each section shows the command that produced its JSON. Hand-written analysis (profiles, where a goal is
+missed) lives in benchmarks/results/notes_<benchmark>.md and is placed under its section; planner.md and
+prefix_cache.md, written by their own scripts, are included as they are.
+
+    python benchmarks/make_report.py
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# The environment overrides are for trying the scripts without touching the committed results.
+RESULTS = Path(os.environ.get("LADLE_BENCH_RESULTS") or HERE / "results")
+PLOTS = Path(os.environ.get("LADLE_BENCH_PLOTS") or HERE / "plots")
+OUT = Path(os.environ.get("LADLE_BENCH_REPORT") or HERE.parent / "BENCHMARKS.md")
+LAT = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def cell(v: Any) -> str:
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    fmt = [cell(v) for r in rows for v in r]
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for i in range(len(rows)):
+        out.append("| " + " | ".join(fmt[i * len(head):(i + 1) * len(head)]) + " |")
+    return out
+
+
+def header(r: dict[str, Any], plot: str) -> list[str]:
+    m, cfg = r["machine"], r.get("model_config", {})
+    return [f"Reproduce: `OMP_NUM_THREADS={m.get('OMP_NUM_THREADS') or ''} {r['command']}`", "",
+            f"Model `{r.get('model')}`: Qwen3, hidden {cfg.get('hidden_size')}, {cfg.get('num_hidden_layers')} "
+            f"layers, {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads x "
+            f"{cfg.get('head_dim')}, MLP {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}, random "
+            f"weights, fp32. Machine: {m['cpus']} CPUs ({m['cpu']}), torch {m['torch']} with {m['threads']} "
+            f"thread(s), transformers {m['transformers']}; load average at the end "
+            f"{', '.join(f'{x:.1f}' for x in m.get('load_average_1_5_15', []))} (a shared machine).", "",
+            f"![{plot}](benchmarks/plots/{plot}.png)", ""]
+
+
+def notes(name: str) -> list[str]:
+    path = RESULTS / f"notes_{name}.md"
+    return [path.read_text().rstrip(), ""] if path.exists() else []
+
+
+def save_plot(fig: Any, name: str) -> None:
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(PLOTS / f"{name}.png", dpi=110)
+    plt.close(fig)
+
+
+def offline(r: dict[str, Any]) -> list[str]:
+    w, s = r["workload"], r["settings"]
+    names = list(r["runs"])
+    med = {n: sorted(x["total_tok_per_s"] for x in r["runs"][n])[len(r["runs"][n]) // 2] for n in names}
+    rows = []
+    for n in names:
+        m = r["median_run"][n]
+        rows.append([n, m["requests_per_s"], m["output_tok_per_s"], m["total_tok_per_s"]]
+                    + [f"{m[k]['mean']:.0f} / {m[k]['median']:.0f} / {m[k]['p99']:.0f}" for k in LAT])
+    ratio = r["ratios"].get("ladle/best_hf", {})
+    lines = ["## 1. Offline throughput, mixed lengths", "",
+             f"{w['num_prompts']} requests per repeat, prompts uniform in {w['input_len']} tokens, outputs uniform "
+             f"in {w['output_len']} (greedy, EOS ignored), a fresh random workload per repeat shared by every "
+             f"engine; {s['repeats']} repeats, engines in rotating order. ladle: max_num_batched_tokens "
+             f"{s['max_num_batched_tokens']}, max_model_len {s['ladle_max_model_len']}, other settings derived. "
+             f"HF generate: static batches of {s['hf_batch_size']}, left-padded, each run to its longest output. "
+             f"HF generate_batch: max_batch_tokens {s['max_num_batched_tokens']}, page_size {s['page_size']}, "
+             "num_blocks for the whole workload.", ""] + header(r, "offline_throughput")
+    lines += table(["engine", "req/s", "output tok/s", "total tok/s"] +
+                   [f"{k[:-3].upper()} ms mean / median / p99" for k in LAT], rows)
+    lines.append("")
+    for k, v in r["ratios"].items():
+        lines.append(f"- {k}: median {v['median']:.2f}x (per repeat {', '.join(f'{x:.2f}' for x in v['per_repeat'])})")
+    if ratio:
+        met = "met" if ratio["median"] >= 2 else f"missed by {2 - ratio['median']:.2f}x"
+        lines.append(f"- **Goal ladle >= 2x the best HF path (total tok/s): {ratio['median']:.2f}x, {met}.**")
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for i, n in enumerate(names):
+        vals = [x["total_tok_per_s"] for x in r["runs"][n]]
+        ax.bar(i, med[n], color=["#d62728", "#1f77b4", "#2ca02c"][i % 3])
+        ax.plot([i] * len(vals), vals, "k.", ms=5)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("total tokens/s (bar: median; dots: repeats)")
+    ax.set_title("Offline throughput, same workload")
+    save_plot(fig, "offline_throughput")
+    return lines + [""]
+
+
+def memory(r: dict[str, Any]) -> list[str]:
+    rows = [[x["prompt_tokens"], x.get("ladle_peak_mib", float("nan")), x.get("ladle_predicted_mib", float("nan")),
+             x.get("hf_peak_mib", float("nan")), x["hf_kv_cache_mib"]] for x in r["rows"]]
+    lines = ["## 2. Peak activation memory vs prompt length", "",
+             f"ladle at max_num_batched_tokens {r['chunk']} vs one HF forward of the whole prompt; peaks from "
+             "`ladle.engine.memory.measure_peak` (torch.profiler allocation events). ladle's KV pool exists before "
+             "the call and is not counted; HF allocates its KV cache inside the call, so it is counted (its size is "
+             "in the last column).", ""]
+    lines += header(r, "memory_vs_prompt")
+    lines += table(["prompt tokens", "ladle peak MiB", "ladle planner prediction MiB", "HF peak MiB",
+                    "of which HF KV cache MiB"], rows)
+    top = max(x["prompt_tokens"] for x in r["rows"])
+    if r.get("ladle_top_over_2k") is not None:
+        v = r["ladle_top_over_2k"]
+        met = "met" if v <= r["goal_ladle_top_over_2k"] else "missed"
+        lines += ["", f"- **ladle peak at {top:,} / at 2,048 tokens: {v:.3f} (goal <= 1.15, {met}).** "
+                  f"HF: {r.get('hf_top_over_2k') or float('nan'):.1f}x."]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    xs = [x["prompt_tokens"] for x in r["rows"]]
+    for key, label in (("ladle_peak_mib", f"ladle, chunk {r['chunk']}"), ("hf_peak_mib", "HF single forward")):
+        if key in r["rows"][0]:
+            ax.plot(xs, [x[key] for x in r["rows"]], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("peak activation MiB")
+    ax.legend()
+    ax.set_title("Activation peak vs prompt length")
+    save_plot(fig, "memory_vs_prompt")
+    return lines + [""]
+
+
+def chunk(r: dict[str, Any]) -> list[str]:
+    rows = [[x["budget"], x["chunks"], x["wall_s_median"], x["cpu_s_median"], x["vs_single_median"]] for x in r["rows"]]
+    lines = ["## 3. Chunking overhead", "",
+             f"Prefill of one {r['prompt_len']:,}-token prompt (one output token) at each step budget vs the single "
+             f"pass (budget {r['single_pass_budget']}); {r['repeats']} repeats, budgets in rotating order, the "
+             "ratio taken within each repeat.", ""] + header(r, "chunk_overhead")
+    lines += table(["budget", "chunks", "wall s (median)", "CPU s (median)", "time / single pass"], rows)
+    by = {x["budget"]: x["vs_single_median"] for x in r["rows"]}
+    if 512 in by:
+        met = "met" if by[512] <= 1.10 else f"missed by {(by[512] - 1.10) * 100:.0f} points"
+        lines += ["", f"- **Budget 512 costs {(by[512] - 1) * 100:+.1f}% (goal <= +10%, {met}).**"]
+    if r.get("hf_forward_s_median"):
+        lines.append(f"- HF single forward of the same prompt: {r['hf_forward_s_median']:.2f} s median, "
+                     f"{r['hf_over_ladle_single_median']:.2f}x ladle's single pass.")
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.bar([str(x["budget"]) for x in r["rows"]], [x["vs_single_median"] for x in r["rows"]], color="#1f77b4")
+    ax.axhline(1.10, color="r", ls="--", label="goal for 512: 1.10")
+    ax.set_xlabel("step budget (tokens)")
+    ax.set_ylabel("prefill time / single pass")
+    ax.legend()
+    ax.set_title(f"Chunking overhead, {r['prompt_len']}-token prompt")
+    save_plot(fig, "chunk_overhead")
+    return lines + [""]
+
+
+def stall(r: dict[str, Any]) -> list[str]:
+    rows = [["yes" if x["chunking"] else "no", x["budget"], x["long_chunks"], x["ttft_long_s"], x["median_step_ms"],
+             x["median_itl_ms"], x["max_itl_ms"], x["max_over_median_step"]] for x in r["rows"]]
+    lines = ["## 4. Stall-free decoding", "",
+             f"{r['decodes']} requests decoding ({r['decode_prompt']}-token prompts) when a {r['long_prompt']:,}-"
+             "token prompt arrives; the engine is stepped as LLM.generate steps it and each decode token is "
+             "timestamped. Window: from the arrival to a few steps after the long prompt's first token.", ""]
+    lines += header(r, "stall_free")
+    lines += table(["chunking", "budget", "long-prompt chunks", "long TTFT s", "median step ms", "median ITL ms",
+                    "max ITL ms", "max ITL / median step"], rows)
+    lines.append("")
+    for x in r["rows"]:
+        if x["chunking"]:
+            met = "met" if x["max_over_median_step"] <= 2 else "missed"
+            lines.append(f"- budget {x['budget']}: max ITL = {x['max_over_median_step']:.2f} x the median step "
+                         f"(goal <= 2, {met})")
+        else:
+            lines.append(f"- no chunking: max ITL = {x['max_over_median_step']:.1f} x the median step "
+                         f"({x['max_itl_ms'] / 1000:.1f} s stall)")
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for x in r["rows"]:
+        line, = ax.plot(x["step_ms_series"], ".-",
+                        label=f"budget {x['budget']}" + ("" if x["chunking"] else " (no chunking)"))
+        if x["chunking"]:
+            ax.axhline(2 * x["median_step_ms"], color=line.get_color(), ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step since the long prompt arrived")
+    ax.set_ylabel("step time ms (= ITL of every decode)")
+    ax.legend()
+    ax.set_title("Decode stalls while a long prompt prefills (dotted: 2 x median step)")
+    save_plot(fig, "stall_free")
+    return lines + [""]
+
+
+def serve(r: dict[str, Any]) -> list[str]:
+    pts = r["points"]
+    rows = [[p["request_rate"], p["num_prompts"], p["requests_per_s"], p["output_tok_per_s"]]
+            + [f"{p[k]['median']:.0f} / {p[k]['p99']:.0f}" for k in LAT] for p in pts]
+    lines = ["## 5. Serving: latency vs request rate", "",
+             f"`ladle serve {r['server_flags']}` (OMP_NUM_THREADS={r['server_threads']}) on 127.0.0.1, started "
+             f"as a subprocess (healthy after {r['server_startup_s']:.0f} s). Per rate: Poisson arrivals for about "
+             f"{r['seconds']:.0f} s, prompts uniform in {r['input_len']}, outputs in {r['output_len']} tokens "
+             "(greedy, ignore_eos), streaming /v1/completions; ITL is between streamed chunks, as vLLM's client "
+             "counts it.", ""] + header(r, "serve_sweep")
+    lines += table(["rate req/s", "requests", "achieved req/s", "output tok/s"] +
+                   [f"{k[:-3].upper()} ms p50 / p99" for k in LAT], rows)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    rates = [p["request_rate"] for p in pts]
+    for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "itl_ms")):
+        ax.plot(rates, [p[key]["median"] for p in pts], "o-", label="p50")
+        ax.plot(rates, [p[key]["p99"] for p in pts], "s--", label="p99")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{key[:-3].upper()} ms")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle("ladle serve: latency vs Poisson request rate")
+    save_plot(fig, "serve_sweep")
+    return lines + [""]
+
+
+SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
+    ("offline_throughput", offline), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
+    ("stall_free", stall), ("serve_sweep", serve)]
+
+
+def main() -> None:
+    lines = ["# Benchmarks", "",
+             "Generated by `python benchmarks/make_report.py` from `benchmarks/results/*.json`; every section "
+             "names the command that produced it. All numbers are from a 2-core CPU machine shared with other "
+             "jobs, so absolute times are noisy: compare the ratios, which come from side-by-side runs in one "
+             "process (medians of repeats). llama.cpp (llama-cpp-python) is not measured here: it compiles for "
+             "about 8 minutes, which this run skipped.", ""]
+    lines += notes("summary")
+    for name, section in SECTIONS:
+        r = load(name)
+        if r is not None:
+            lines += section(r) + notes(name)
+    for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None)):
+        path = RESULTS / f"{name}.md"
+        if path.exists():
+            body = path.read_text().rstrip()
+            lines += ([title, "", "From `python benchmarks/planner_accuracy.py --out benchmarks/results/planner.md`.",
+                       ""] if title else []) + [body, ""]
+    OUT.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
