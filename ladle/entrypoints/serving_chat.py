@@ -5,7 +5,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from ladle.engine.async_client import AsyncEngineClient
@@ -16,7 +15,7 @@ from ladle.entrypoints.openai_protocol import (
     ChatResponseMessage, DeltaMessage, TopLogprob,
 )
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, GenerationStream, OpenAIError, run_unless_disconnected, sampling_params, sse, sse_error,
+    SSE_DONE, GenerationStream, OpenAIError, respond, sampling_params, sse, sse_error,
 )
 from ladle.outputs import Logprob
 
@@ -52,13 +51,8 @@ class OpenAIServingChat:
         stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, [ids], params)
         await stream.start()
         top_n = req.top_logprobs or 0
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(stream, top_n, include_usage), media_type="text/event-stream")
-        result = await run_unless_disconnected(lambda: self._collect(stream, top_n), raw_request, stream.abort)
-        if result is None:
-            return Response(status_code=499)  # the client hung up; nobody reads this
-        return JSONResponse(result.model_dump())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(stream, self._stream(stream, top_n, include_usage), lambda: self._collect(stream, top_n), bool(req.stream), raw_request)
 
     async def _collect(self, stream: GenerationStream, top_n: int) -> ChatCompletionResponse:
         async for _ in stream.deltas():

@@ -5,7 +5,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ladle.engine.async_client import AsyncEngineClient
 from ladle.entrypoints.metrics import ServerMetrics
@@ -13,7 +12,7 @@ from ladle.entrypoints.openai_protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
 )
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, OpenAIError, run_unless_disconnected, sampling_params,
+    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, OpenAIError, respond, sampling_params,
     sse, sse_error,
 )
 
@@ -59,13 +58,8 @@ class OpenAIServingCompletion:
         stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, ids, params)
         await stream.start()
         echo = [self._echo_text(t, i) if req.echo else "" for t, i in zip(texts, ids)]
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(stream, echo, include_usage), media_type="text/event-stream")
-        result = await run_unless_disconnected(lambda: self._collect(stream, echo), raw_request, stream.abort)
-        if result is None:
-            return Response(status_code=499)  # the client hung up; nobody reads this
-        return JSONResponse(result.model_dump())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(stream, self._stream(stream, echo, include_usage), lambda: self._collect(stream, echo), bool(req.stream), raw_request)
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 from ladle.engine.core import EngineCoreOutput
@@ -220,3 +221,13 @@ async def run_unless_disconnected(work: Callable[[], Awaitable[T]], raw_request:
     on_disconnect()
     return None
 
+
+async def respond(stream: GenerationStream, events: AsyncIterator[str], collect: Callable[[], Awaitable[Any]],
+                  want_stream: bool, raw_request: Request) -> Response:
+    """Stream SSE events, or collect the whole response unless the client hangs up first."""
+    if want_stream:
+        return StreamingResponse(events, media_type="text/event-stream")
+    result = await run_unless_disconnected(collect, raw_request, stream.abort)
+    if result is None:
+        return Response(status_code=499)  # the client hung up; nobody reads this
+    return JSONResponse(result.model_dump())
