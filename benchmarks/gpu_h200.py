@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout 
 
 import torch  # noqa: E402
 
+from gpu_kernels import decode_graphs, kernel_check, kernel_speed, sync  # noqa: E402
+
 GiB = 2**30
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -96,11 +98,6 @@ class Run:
         self.results["sections"][name] = res
         (self.out_dir / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
         return res
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def qwen3_config(shape: dict[str, int], max_len: int) -> Any:
@@ -243,115 +240,6 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
     return dict(prompt=prompt_len, chunk=chunk, tok_s=round(prompt_len / times[-1], 1),
                 tflops=round(flops / times[-1] / 1e12, 1), mfu=round(flops / times[-1] / (peak_tflops * 1e12), 3),
                 attention_flop_share=round(attn / flops, 3), cold_s=round(times[0], 2), warm_s=round(times[-1], 2))
-
-
-def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
-    """Decode steps eager vs replayed from CUDA graphs (ladle.worker.cuda_graphs), on a scratch KV pool:
-    step time at each batch size, and how far the graph's logits are from the eager ones."""
-    from ladle.worker.cuda_graphs import DecodeGraphs
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
-    from ladle.worker.model_runner import allocate_kv_caches
-    from ladle.models.loader import kv_cache_shape_params
-
-    ec, model = core.config, core.runner.model
-    layers, kvh, hd = kv_cache_shape_params(core.hf_config)
-    per_seq = -(-(context + 1) // ec.block_size)
-    caches = allocate_kv_caches(layers, per_seq * max(batches), ec.block_size, kvh, hd, ec.dtype, ec.device)
-    t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device)
-    if ec.device.type == "cuda":
-        graphs.capture()
-    res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
-
-    def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, ec.block_size, ec.device)
-        return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
-
-    for b in batches:
-        chunks = [ScheduledChunk([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
-        row: dict[str, Any] = {}
-        with torch.inference_mode():
-            for name, fn in (("eager", eager), ("graph", graphs.run)):
-                fn(chunks)
-                sync(ec.device)
-                t1 = time.perf_counter()
-                for _ in range(20):
-                    logits = fn(chunks)
-                sync(ec.device)
-                row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
-                row[f"{name}_logits"] = logits.float().clone()
-        diff = (row.pop("graph_logits") - row.pop("eager_logits")).abs()
-        speedup = round(row["eager_ms"] / row["graph_ms"], 2)
-        res[f"batch{b}"] = dict(row, max_abs_logit_diff=float(diff.max()), speedup=speedup)
-    return res
-
-
-def kernel_check(device: torch.device, small: bool) -> dict:
-    """The Triton kernels against the CPU fp32 torch reference at the 8B head shape, on a mixed step."""
-    from ladle.worker import attention as reference
-    from ladle.worker import triton_attention
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
-
-    res: dict[str, Any] = {}
-    g = torch.Generator().manual_seed(0)
-    page, heads, kvh, dim, nblocks = (16, 8, 2, 32, 40) if small else (16, 32, 8, 128, 700)
-    requests = [(0, 700), (1500, 300), (2999, 1), (16, 1), (0, 1), (511, 1), (64, 40), (4000, 1)]
-    requests = [(0, 19), (21, 13), (47, 1), (0, 1)] if small else requests
-    free = torch.randperm(nblocks, generator=g).tolist()
-    chunks = []
-    for start, n in requests:
-        need = -(-(start + n) // page)
-        chunks.append(ScheduledChunk([0] * n, start, free[:need], True))
-        free = free[need:]
-    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)):
-        kc, vc = (torch.randn(nblocks, page, kvh, dim, generator=g).to(dtype) for _ in range(2))
-        step = build_step_inputs(chunks, page)
-        t = step.num_tokens
-        q, k, v = (torch.randn(t, h, dim, generator=g).to(dtype) for h in (heads, kvh, kvh))
-        kr, vr = kc.float(), vc.float()
-        want = reference.paged_attention(q.float(), k.float(), v.float(), kr, vr, step.attn, dim**-0.5)
-        gpu = build_step_inputs(chunks, page, device)
-        kd, vd = kc.to(device), vc.to(device)
-        got = triton_attention.paged_attention(q.to(device), k.to(device), v.to(device), kd, vd, gpu.attn, dim**-0.5)
-        err = (got.float().cpu() - want).abs().max().item()
-        pool_ok = torch.equal(kd.float().cpu(), kr) and torch.equal(vd.float().cpu(), vr)
-        res[str(dtype).removeprefix("torch.")] = dict(max_abs_err=err, tol=tol, ok=bool(err <= tol and pool_ok))
-    res["ok"] = all(v["ok"] for v in res.values())
-    return res
-
-
-def kernel_speed(device: torch.device) -> dict:
-    """Attention alone at the 8B head shape: a long prefill chunk (TFLOP/s) and a wide decode (GB/s of KV
-    read), for the default tiles and a few others, so the next round can retune without a sweep."""
-    from ladle.worker import triton_attention as ta
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
-
-    page, heads, kvh, dim = 16, 32, 8, 128
-    cases = {"prefill_8192_at_8192": [(8192, 8192)], "decode_256_at_2048": [(2047, 1)] * 256}
-    tiles = {"default": None, "64x64w4": ta.TileConfig(64, 64, 4, 2), "128x64w8": ta.TileConfig(128, 64, 8, 2),
-             "16x64w4": ta.TileConfig(16, 64, 4, 2), "16x128w4": ta.TileConfig(16, 128, 4, 2)}
-    res: dict[str, Any] = {}
-    for name, reqs in cases.items():
-        blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
-        chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
-        step = build_step_inputs(chunks, page, device)
-        nb = sum(len(c.block_ids) for c in chunks)
-        kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
-        q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
-        flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)
-        kv_bytes = sum(2.0 * (s + n) * kvh * dim * 2 for s, n in reqs)
-        for label, tile in tiles.items():
-            ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)  # compile and warm up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = start.elapsed_time(end) / 5
-            res[f"{name}/{label}"] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                                          kv_gb_s=round(kv_bytes / ms / 1e6, 1))
-    return res
 
 
 def free(device: torch.device) -> None:
