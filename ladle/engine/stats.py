@@ -34,10 +34,6 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)
         self.num_steps += 1

@@ -15,10 +15,6 @@ _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
 })
 
 
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(_MODELS)
-
-
 def model_class_for(config: Any) -> type[nn.Module]:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
