@@ -20,13 +20,13 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the device machine has no network; fail fast, never hang
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout there has ladle uninstalled
 
 import torch  # noqa: E402
 
+from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
 from gpu_kernels import decode_graphs, kernel_check, kernel_speed, sync  # noqa: E402
 
 GiB = 2**30
@@ -73,8 +73,9 @@ class Run:
     """Results and the time budget: a section runs only if its estimate fits in what is left, and a section
     that fails is recorded with its error, so one bad section never loses the others."""
 
-    def __init__(self, budget_s: float, out_dir: Path, device: torch.device) -> None:
+    def __init__(self, budget_s: float, out_dir: Path, device: torch.device, only: tuple[str, ...] = ()) -> None:
         self.start, self.budget, self.out_dir, self.device = time.perf_counter(), budget_s, out_dir, device
+        self.only = only  # section-name prefixes to run (a rerun of what failed); empty: all
         self.results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                                         "torch": torch.__version__, "sections": {}}
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +84,8 @@ class Run:
         return self.budget - (time.perf_counter() - self.start)
 
     def section(self, name: str, estimate_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if self.only and not any(name.startswith(p) for p in self.only):
+            return None
         if self.left() < estimate_s:
             self.results["sections"][name] = {"skipped": f"needs ~{estimate_s:.0f}s, {self.left():.0f}s left"}
             print(f"[skip] {name}", flush=True)
@@ -108,42 +111,17 @@ def qwen3_config(shape: dict[str, int], max_len: int) -> Any:
                        architectures=["Qwen3ForCausalLM"], eos_token_id=shape["vocab_size"] - 1)
 
 
-def random_model(config: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """ladle's model for config, random weights initialised on the device itself (no host copy)."""
-    from ladle.models.layers import RotaryEmbedding
-    from ladle.models.registry import model_class_for
-
-    with torch.device("meta"):
-        model = model_class_for(config)(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:  # norm weights 1, biases 0: what a trained model's scale looks like
-                p.fill_(0.0 if name.endswith("bias") else 1.0)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.init_buffers()
-    return model.requires_grad_(False).eval()
-
-
 def build_engine(config: Any, workdir: Path, device: torch.device, **engine_kwargs: Any) -> Any:
-    """An EngineCore whose loader builds random weights in place of reading a checkpoint; the directory holds
-    only config.json, which the rest of startup (planning, EOS lookup) reads as usual."""
+    """An EngineCore on random weights (load_format="dummy": the directory holds only config.json), so
+    start-up, memory planning, profiling and graph capture run exactly as for a real checkpoint."""
     from ladle.config import EngineArgs
     from ladle.engine.core import EngineCore
 
     path = workdir / f"model-{config.num_hidden_layers}x{config.hidden_size}"
     config.save_pretrained(path)
-
-    def load(model_dir: str, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
-        return random_model(config, torch.device(dev), dtype), config
-
-    args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), **engine_kwargs)
-    with mock.patch("ladle.engine.setup.load_model", load):
-        return EngineCore(args, explicit)
+    args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), load_format="dummy",
+                                            **engine_kwargs)
+    return EngineCore(args, explicit)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -255,13 +233,23 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
     vocab, box = config.vocab_size, {}
 
     def start() -> dict:
-        t0 = time.perf_counter()
-        core = box["core"] = build_engine(config, workdir, run.device)
+        t0, graph_error = time.perf_counter(), None
+        try:
+            core = build_engine(config, workdir, run.device)
+        except Exception as e:  # noqa: BLE001 - a failed graph capture must not cost every 8B section
+            graph_error = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            print(graph_error, file=sys.stderr, flush=True)
+            free(run.device)
+            core = build_engine(config, workdir, run.device, enforce_eager=True)
+        box["core"] = core
         built = time.perf_counter() - t0
         generate(core, prompts(2, 16, vocab, 1), 4, ids)  # warm-up at small shapes
         c = core.config
         return dict(startup_s=round(built, 1), max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, num_kv_blocks=c.num_kv_blocks,
+                    cudagraph_capture_size=c.max_cudagraph_capture_size,
+                    graph_memory_gib=round(core.graph_memory_bytes / GiB, 3),
+                    plan_graph_memory_gib=round(c.plan.inputs.graph_bytes / GiB, 3), graph_error=graph_error,
                     plan=c.plan.lines())
 
     run.section("ladle_8b_startup", 60, start)
@@ -346,6 +334,9 @@ def table(results: dict) -> str:
         elif name == "kernel_check":
             cells = [f"{k}: err {v['max_abs_err']:.1e} {'ok' if v['ok'] else 'FAIL'}" for k, v in res.items()
                      if isinstance(v, dict)]
+        elif name in ("ops_check", "engine_vs_hf"):
+            cells = [f"ok={res['ok']}"] + [
+                f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}" for k, v in res.items() if isinstance(v, dict)]
         elif name.endswith("cuda_graphs"):
             cells = [f"capture {res['capture_s']}s"] + [
                 f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "
@@ -366,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reserve-s", type=float, default=150.0, help="kept for seed-A and HF when sizing offline")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200 SXM)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the control flow")
+    ap.add_argument("--only", default="", help="comma-separated section-name prefixes to run, e.g. ladle_8b,hf")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernel check runs on CPU
@@ -374,20 +366,22 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --dry-run to check the script on CPU")
         device, s, shape8, shape14 = torch.device("cuda"), Sizes(), QWEN3_8B, QWEN3_14B
-    run = Run(a.time_budget, Path(a.out), device)
+    run = Run(a.time_budget, Path(a.out), device, tuple(p for p in a.only.split(",") if p))
     ids = itertools.count()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         run.section("kernel_check", 20, lambda: kernel_check(device, small=a.dry_run))
-        if device.type == "cuda":
-            run.section("kernel_speed", 30, lambda: kernel_speed(device))
-        free(device)  # the kernel sections' blocks, still reserved, would count against the engine's budget
+        run.section("ops_check", 10, lambda: ops_check(device, small=a.dry_run))
+        run.section("engine_vs_hf", 40, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
+        free(device)  # the check sections' blocks, still reserved, would count against the engine's budget
         ladle_8b(run, a, s, shape8, workdir, ids)
         free(device)
         run.section("seed_a_14b", 60, lambda: seed_a(run, s, shape14, workdir, ids))
         free(device)
         hf_peer(run, s, shape8)
         free(device)
+        if device.type == "cuda":  # tile-tuning data: last, so it only ever takes time nothing else needed
+            run.section("kernel_speed", 30, lambda: kernel_speed(device))
     run.results["total_s"] = round(time.perf_counter() - run.start, 1)
     (run.out_dir / "results.json").write_text(json.dumps(run.results, indent=1, default=str))
     print(f"\n== ladle on {run.results['device']} ({run.results['total_s']} s) ==\n{table(run.results)}")

@@ -15,6 +15,7 @@ logger = logging.getLogger("ladle")
 
 Source = Literal["explicit", "default", "derived"]
 # vLLM spellings accepted as aliases of ladle's names.
+DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
 ALIASES = {"long_prefill_token_threshold": "max_prefill_length", "num_gpu_blocks_override": "num_kv_blocks"}
 
 
@@ -34,6 +35,9 @@ class EngineArgs:
     memory_budget: int | str | None = None  # cap on all ladle may use (weights, KV, activations), e.g. "8GiB"
     gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory (vLLM semantics)
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no CUDA graphs, every step eager (vLLM semantics)
+    max_cudagraph_capture_size: int | None = None  # largest decode batch replayed from a graph; default 512
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
     seed: int = 0
 
     @classmethod
@@ -72,6 +76,7 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     enable_prefix_caching: bool = True
+    max_cudagraph_capture_size: int = 0  # largest decode batch captured in a CUDA graph; 0 = eager only
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
 
@@ -103,6 +108,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"--dtype {name!r}: choose one of auto, {', '.join(table)}")
     return table[name]
+
+
+def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provenance) -> int:
+    """Largest decode batch replayed from a CUDA graph; 0 means every step runs eagerly. Graphs exist on CUDA
+    alone: on CPU a kernel launch costs nothing that a graph would save."""
+    prov.put("enforce_eager", bool(args.enforce_eager))
+    name, size = "max_cudagraph_capture_size", args.max_cudagraph_capture_size
+    if size is not None:
+        positive_int(name, size)
+        if device.type != "cuda" or args.enforce_eager:
+            raise ValueError(f"{name}={size} needs CUDA graphs, which {'enforce_eager disables' if args.enforce_eager else 'exist on CUDA only'}; drop {name}")
+        return prov.put(name, size)
+    if device.type != "cuda" or args.enforce_eager:
+        return prov.put(name, 0, "enforce_eager" if args.enforce_eager else f"no CUDA graphs on {device.type}")
+    size = min(DEFAULT_CUDAGRAPH_CAPTURE_SIZE, args.max_num_seqs)
+    return prov.put(name, size, f"min({DEFAULT_CUDAGRAPH_CAPTURE_SIZE}, max_num_seqs): a decode step has at most max_num_seqs rows")
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -140,5 +161,8 @@ def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, to
     prov.put("max_num_seqs", positive_int("max_num_seqs", args.max_num_seqs))
     prov.put("block_size", positive_int("block_size", args.block_size))
     prov.put("enable_prefix_caching", bool(args.enable_prefix_caching))
+    if args.load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format {args.load_format!r}: choose one of auto, safetensors, dummy")
+    prov.put("load_format", args.load_format)
     prov.put("seed", args.seed)
     return device, dtype

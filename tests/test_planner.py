@@ -1,6 +1,7 @@
 """Memory planner (issue: seed report 002): explicit settings honoured or refused at startup, defaults derived
 from measured memory, activation peaks predicted and flat in context, OOM inside a step loses nothing."""
 import random
+import re
 
 import pytest
 import torch
@@ -196,5 +197,5 @@ def test_plan_command(tiny_qwen3_dir, capsys):
 
     assert main(["plan", "--model", tiny_qwen3_dir, "--max-prefill-length", "256", "--prompt-tokens", "1000"]) == 0
     out = capsys.readouterr().out
-    assert "max_prefill_length      256" in out and "explicit" in out and "KV pool" in out
+    assert re.search(r"max_prefill_length +256 +explicit", out) and "KV pool" in out
     assert "a 1000-token prompt fits: 4 chunk(s) of at most 256 tokens" in out

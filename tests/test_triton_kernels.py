@@ -154,14 +154,16 @@ DECODES = [ScheduledChunk([9], 37, TABLE_A, True), ScheduledChunk([4], 11, TABLE
 
 
 def test_model_forward_with_triton_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels in place of the torch
-    reference (on CPU); its logits match the reference backend's."""
+    """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels (attention, and the fused
+    norms, q/k-norm + rope and SiLU-and-mul of ladle.worker.triton_ops) in place of the torch reference (on
+    CPU); its logits match the reference path's."""
     from ladle.models import layers
 
     model = tiny_qwen3()
     steps = PREFILL_STEPS + [DECODES]
     want = run_steps(model, pools(torch.device("cpu")), steps)
     monkeypatch.setattr(layers, "paged_attention", kernels.paged_attention)
+    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
     got = run_steps(model.to(DEVICE), pools(DEVICE), steps)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)

@@ -60,6 +60,14 @@ class EngineCore:
         caches = allocate_kv_caches(num_layers, cfg.num_kv_blocks, cfg.block_size, num_kv_heads, head_dim,
                                     cfg.dtype, cfg.device)
         self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device)
+        # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
+        self.graph_memory_bytes = 0
+        if cfg.max_cudagraph_capture_size:
+            start = time.perf_counter()
+            self.graph_memory_bytes = self.runner.capture_graphs(cfg.max_model_len, cfg.max_cudagraph_capture_size)
+            logger.info("captured CUDA graphs for decode batches up to %d in %.1f s: %.1f MiB (plan reserved "
+                        "%.1f MiB)", cfg.max_cudagraph_capture_size, time.perf_counter() - start,
+                        self.graph_memory_bytes / 2**20, cfg.plan.inputs.graph_bytes / 2**20)
         self.stats = EngineStats()
         # A test hook run before each forward call (e.g. to inject an out-of-memory error).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None

@@ -27,6 +27,7 @@ class PlanInputs:
     max_num_seqs: int
     on_cpu: bool
     activation: ActivationModel
+    graph_bytes: int = 0  # the CUDA graphs' private memory pool, held apart from eager steps' activations
 
     @property
     def margin(self) -> int:
@@ -41,7 +42,7 @@ class PlanInputs:
 
     def room(self) -> int:
         """Bytes left for KV pool and activations."""
-        return self.budget - self.weights - self.margin
+        return self.budget - self.weights - self.margin - self.graph_bytes
 
     def fits(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> bool:
         blocks = self.blocks_for(max_model_len) if kv_blocks is None else kv_blocks
@@ -49,7 +50,8 @@ class PlanInputs:
 
     def need(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> int:
         blocks = self.blocks_for(max_model_len) if kv_blocks is None else kv_blocks
-        return self.weights + self.margin + self.activation.predict(tokens, max_model_len) + blocks * self.block_bytes
+        return (self.weights + self.margin + self.graph_bytes + self.activation.predict(tokens, max_model_len)
+                + blocks * self.block_bytes)
 
     def largest_tokens(self, max_model_len: int, kv_blocks: int | None = None, step: int = STEP) -> int:
         """Largest multiple of `step` (up to MAX_DERIVED_TOKENS) whose step fits; 0 if none does."""
@@ -89,10 +91,11 @@ class MemoryPlan:
     @property
     def headroom(self) -> int:
         i = self.inputs
-        return i.budget - i.weights - self.kv_pool_bytes - self.activation_peak - i.margin
+        return i.budget - i.weights - self.kv_pool_bytes - self.activation_peak - i.margin - i.graph_bytes
 
     def lines(self) -> list[str]:
         i = self.inputs
+        graphs = [f"cuda graphs       {i.graph_bytes / MiB:10.1f} MiB  (predicted: the largest captured decode step)"]
         return [
             f"memory budget     {i.budget / MiB:10.1f} MiB  ({i.budget_reason})",
             f"weights           {i.weights / MiB:10.1f} MiB",
@@ -100,6 +103,7 @@ class MemoryPlan:
             f"{i.block_size} = {self.num_kv_blocks * i.block_size} tokens, {i.kv_bytes_per_token} B/token)",
             f"activation peak   {self.activation_peak / MiB:10.1f} MiB  (predicted: a step of "
             f"{self.max_num_batched_tokens} tokens at context {self.max_model_len})",
+            *(graphs if i.graph_bytes else []),
             f"margin            {i.margin / MiB:10.1f} MiB",
             f"headroom          {self.headroom / MiB:10.1f} MiB",
             f"activation model  {i.activation.describe()}",
@@ -180,7 +184,7 @@ def plan_memory(
     chunk = put("max_prefill_length", chunk_t, "") if chunk_t is not None else put(
         "max_prefill_length", tokens, "the step budget: one request may fill a step")
 
-    fixed = inputs.weights + inputs.margin + inputs.activation.predict(tokens, max_len)
+    fixed = inputs.weights + inputs.margin + inputs.graph_bytes + inputs.activation.predict(tokens, max_len)
     most = max(0, (inputs.budget - fixed) // inputs.block_bytes)
     if "num_kv_blocks" in explicit:
         blocks = explicit["num_kv_blocks"]

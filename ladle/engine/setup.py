@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.config import EngineArgs, EngineConfig, Provenance, resolve_basics
+from ladle.config import EngineArgs, EngineConfig, Provenance, resolve_basics, resolve_cudagraph_size
 from ladle.engine.memory import device_budget, free_memory_bytes, parse_bytes, total_memory_bytes
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import fit_activation_model, profile_points
@@ -41,7 +41,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if device.type == "cuda":
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
-    model, hf_config = load_model(args.model, device, dtype)
+    graph_batch = resolve_cudagraph_size(args, device, prov)
+    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if weights >= budget:
         raise ValueError(f"the weights ({weights / 2**20:.1f} MiB) do not fit in the memory budget "
@@ -61,8 +62,11 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     activation = fit_activation_model(points, args.max_num_seqs)
     logger.info("activation model: %s", activation.describe())
 
+    # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
+    # (it also counts sampling, which runs outside the graph).
+    graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
     inputs = PlanInputs(budget, budget_reason, weights, kv_bytes_per_token, args.block_size, model_max,
-                        args.max_num_seqs, device.type == "cpu", activation)
+                        args.max_num_seqs, device.type == "cpu", activation, graph_bytes)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
@@ -73,6 +77,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=bool(args.enable_prefix_caching),
+        max_cudagraph_capture_size=graph_batch,
         settings=prov.settings, plan=plan,
     )
     return Loaded(model, hf_config, config)

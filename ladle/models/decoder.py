@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from ladle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding, StackedLinear, add_rms_norm
 from ladle.worker.inputs import AttentionMetadata
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
@@ -36,9 +36,10 @@ class DecoderModel(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn)
+        return self.norm(x) if residual is None else add_rms_norm(x, residual, self.norm)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -71,11 +72,14 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the parameters (casting dtype and device); returns the names loaded.
+        """Copy HF-named tensors into the parameters (casting dtype and device); returns the names of the
+        parameters fully loaded (a stacked one counts once all its shards arrived).
 
         Raises on a name no parameter has, or a shape mismatch, so a wrong checkpoint fails loudly.
         """
         params = dict(self.named_parameters())
+        stacked = _stacked_shards(self)
+        shards_loaded: dict[str, set[str]] = {}
         loaded: set[str] = set()
         tied_head: torch.Tensor | None = None
         for name, tensor in weights:
@@ -84,15 +88,37 @@ class DecoderForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 tied_head = tensor  # HF ties lm_head to the embedding; used only if the embedding is absent
                 continue
-            param = params.get(name)
+            target, (start, size) = stacked.get(name, (name, (0, None)))
+            param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
+            dest = param if size is None else param.narrow(0, start, size)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            if size is None:
+                loaded.add(name)
+            else:
+                shards_loaded.setdefault(target, set()).add(name)
+        expected: dict[str, set[str]] = {}
+        for name, (target, _) in stacked.items():
+            expected.setdefault(target, set()).add(name)
+        loaded |= {t for t, names in expected.items() if shards_loaded.get(t) == names}
         embed = "model.embed_tokens.weight"
         if tied_head is not None and embed not in loaded:
             params[embed].copy_(tied_head)
             loaded.add(embed)
         return loaded
+
+
+def _stacked_shards(model: nn.Module) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Checkpoint name -> (stacked parameter name, (first row, rows)), e.g.
+    'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', (4096, 1024))."""
+    table: dict[str, tuple[str, tuple[int, int]]] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, StackedLinear):
+            parent = prefix.rsplit(".", 1)[0]
+            for shard, rows in module.shards.items():
+                for kind, _ in module.named_parameters():
+                    table[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}", rows)
+    return table

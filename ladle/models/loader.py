@@ -42,15 +42,18 @@ def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    """Build the model for model_dir's config on device in dtype and load its safetensors weights."""
+def load_model(
+    model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
+) -> tuple[nn.Module, Any]:
+    """Build the model for model_dir's config on device in dtype and load its safetensors weights, or, with
+    load_format="dummy", fill it with random weights (model_dir then needs only config.json)."""
     from transformers import AutoConfig
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist (only local checkpoints are loaded)")
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_cls = model_class_for(config)
-    files = checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir) if load_format != "dummy" else []
     device = torch.device(device)
 
     # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
@@ -61,6 +64,9 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype) -> tupl
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32
 
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return model.requires_grad_(False).eval(), config
     loaded = model.load_weights(
         (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)
     )
@@ -70,6 +76,22 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype) -> tupl
         raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
     model.requires_grad_(False)
     return model.eval(), config
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Weights N(0, 0.02) and norms 1, drawn on the model's device (an 8B model fills in well under a second
+    on a GPU): throughput and memory do not depend on weight values, and no checkpoint needs to exist."""
+    generator: torch.Generator | None = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
 
 
 def kv_cache_shape_params(config: Any) -> tuple[int, int, int]:

@@ -95,20 +95,24 @@ class DecodeGraphs:
         pad = batch - n
         pos = [c.start_pos for c in chunks]
         slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
-        tables = torch.zeros(batch, self.width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            row = c.block_ids[: pos[i] // bs + 1]
+        pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
+        rows = [c.block_ids[: p // bs + 1] for c, p in zip(chunks, pos)]
+        # Only the columns this step reads are copied: the buffer spans max_model_len (8K blocks at 128K
+        # context), and what lies past a row's context length is never read.
+        width = max((len(r) for r in rows), default=1)
+        tables = torch.zeros(batch, width, dtype=torch.int32)
+        for i, row in enumerate(rows):
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
 
         def put(dst: torch.Tensor, values: list[int], fill: int) -> None:
             host = torch.tensor(values + [fill] * pad, dtype=dst.dtype)
-            dst[:batch].copy_(host, non_blocking=True)
+            dst[:batch].copy_(host.pin_memory() if pin else host, non_blocking=True)
 
         put(self.input_ids, [c.token_ids[0] for c in chunks], 0)
         put(self.positions, pos, 0)
         put(self.slot_mapping, slots, -1)
         put(self.context_lens, [p + 1 for p in pos], 0)
-        self.block_tables[:batch].copy_(tables, non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pin else tables, non_blocking=True)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

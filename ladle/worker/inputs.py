@@ -87,8 +87,12 @@ def build_step_inputs(
     context = [c.start_pos + len(c.token_ids) for c in chunks]
     sampled_rows = tuple(i for i, c in enumerate(chunks) if c.sample)
 
+    pin = torch.device(device).type == "cuda"
+
     def as_tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        # From pinned memory the copy is a true async DMA; from pageable memory the host would wait for it.
+        host = torch.tensor(values, dtype=dtype)
+        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
     attn = AttentionMetadata(
         slot_mapping=as_tensor(slot_mapping_for(chunks, block_size), torch.int64),

@@ -7,6 +7,7 @@ import torch
 
 from ladle.engine.scheduler import SchedulerOutput
 from ladle.outputs import Logprob
+from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 from ladle.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -38,6 +39,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_model_len: int, max_batch: int) -> int:
+        """Capture decode graphs for batches up to max_batch; returns the device memory they hold."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_batch, self.device)
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        graphs.capture()
+        self.graphs = graphs
+        return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
     def prepare(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[ScheduledChunk]:
         return [
@@ -66,6 +77,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], meta: SamplingMetadata) -> SamplerOutput:
         """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk."""
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.sampler(self.graphs.run(chunks), meta)
         inputs = build_step_inputs(chunks, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampled_rows:

@@ -90,8 +90,8 @@ class Sampler:
         vocab, dev = x.shape[1], x.device
         out_counts = _token_counts(outputs, vocab, dev)
 
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
-        if bool((rep != 1.0).any()):
+        if any(p.repetition_penalty != 1.0 for p in params):  # decided on the host: no device sync
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
             # Repetition penalty (HF/vLLM) looks at prompt and output; the OpenAI-style ones at output only.
             seen = (out_counts > 0) | (_token_counts(prompts, vocab, dev) > 0)
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)

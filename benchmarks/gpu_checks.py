@@ -1,0 +1,125 @@
+"""Correctness sections of the device run (benchmarks/gpu_h200.py): the fused Triton ops against the torch
+reference, and the whole CUDA engine (Triton attention and ops, fused projections, CUDA graphs, chunked
+prefill) against HF transformers, token for token, in fp32 on the GPU."""
+from __future__ import annotations
+
+import gc
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ladle.demo import build_checkpoint, demo_model_kwargs
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    got, want = got.cpu(), want.cpu()
+    return dict(max_abs_err=float((got.float() - want.float()).abs().max()) if got.numel() else 0.0,
+                bitwise_equal=round(float((got == want).float().mean()), 5))
+
+
+def ops_check(device: torch.device, small: bool) -> dict[str, Any]:
+    """Each fused op on the device against the torch ops it replaces, run on CPU copies of the same bf16
+    inputs (the HF-exact reference path); at the 8B shapes unless small."""
+    from ladle.models.layers import RMSNorm, apply_rotary
+    from ladle.worker import triton_ops
+
+    hidden, inter, hq, hk, d = (64, 128, 8, 2, 16) if small else (4096, 12288, 32, 8, 128)
+    t, dtype, eps = 37, torch.bfloat16, 1e-6
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, res, w = rand(t, hidden), rand(t, hidden), (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    norm = RMSNorm(hidden, eps).to(dtype)
+    norm.weight.data.copy_(w)
+    dev = {name: v.to(device) for name, v in (("x", x), ("res", res), ("w", w))}
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        out["rms_norm"] = _compare(triton_ops.rms_norm(dev["x"], dev["w"], eps), norm(x))
+        normed, total = triton_ops.fused_add_rms_norm(dev["x"], dev["res"], dev["w"], eps)
+        out["fused_add_rms_norm"] = _compare(normed, norm(x + res))
+        out["fused_add_residual"] = _compare(total, x + res)
+        gate_up = rand(t, 2 * inter)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out["silu_and_mul"] = _compare(triton_ops.silu_and_mul(gate_up.to(device)),
+                                       torch.nn.functional.silu(gate) * up)
+        qkv = rand(t, (hq + 2 * hk) * d)
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k = q.view(t, hq, d), k.view(t, hk, d)
+        qn, kn = RMSNorm(d, eps).to(dtype), RMSNorm(d, eps).to(dtype)
+        qn.weight.data.copy_(rand(d)), kn.weight.data.copy_(rand(d))
+        pos = torch.arange(t, dtype=torch.float32)[:, None] * (1e6 ** (-torch.arange(0, d, 2) / d))[None, :]
+        emb = torch.cat((pos, pos), dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        dq, dk, _ = qkv.to(device).split([hq * d, hk * d, hk * d], dim=-1)
+        got_q, got_k = triton_ops.qk_norm_rope(dq.view(t, hq, d), dk.view(t, hk, d), qn.weight.to(device),
+                                               kn.weight.to(device), cos.to(device), sin.to(device), eps)
+        out["qk_norm_rope_q"] = _compare(got_q, apply_rotary(qn(q), cos, sin))
+        out["qk_norm_rope_k"] = _compare(got_k, apply_rotary(kn(k), cos, sin))
+    out["ok"] = all(v["bitwise_equal"] >= 0.99 for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def _greedy_tokens(core: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
+    from ladle.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(core.make_request(f"check{i}", p, params))
+        tokens[f"check{i}"] = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+    return [tokens[f"check{i}"] for i in range(len(prompts))]
+
+
+@torch.inference_mode()
+def _hf_greedy(model: Any, prompt: list[int], new: int, device: torch.device) -> list[int]:
+    """HF's forward over its own cache, argmax each step: generate() with min_new_tokens would mask EOS, which
+    ladle's ignore_eos does not (tests/hf_oracle.py is the same loop)."""
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    tokens: list[int] = []
+    while len(tokens) < new:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
+
+
+def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, Any]:
+    """The demo-model shape (fp32, peaked random weights) through the CUDA engine with CUDA graphs, a 128-token
+    step budget (so prompts prefill in chunks beside decodes) and the eager engine, against HF's greedy loop."""
+    from transformers import AutoModelForCausalLM
+
+    from ladle.config import EngineArgs
+    from ladle.engine.core import EngineCore
+
+    path = workdir / "check-model"
+    build_checkpoint(path, **demo_model_kwargs())
+    rng = random.Random(0)
+    lengths, new = ((5, 37, 60), 6) if small else ((5, 37, 150, 300, 700), 24)
+    prompts = [[rng.randrange(8000) for _ in range(n)] for n in lengths]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    want = [_hf_greedy(hf, p, new, device) for p in prompts]
+    del hf
+    res: dict[str, Any] = {"prompts": list(lengths), "new_tokens": new}
+    variants = {"graphs": dict(max_cudagraph_capture_size=8), "eager": dict(enforce_eager=True)}
+    if device.type != "cuda":
+        variants = {"eager": {}}
+    for name, extra in variants.items():
+        args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), dtype="float32",
+                                                max_num_batched_tokens=128, kv_cache_memory_bytes="1GiB", **extra)
+        core = EngineCore(args, explicit)
+        got = _greedy_tokens(core, prompts, new)
+        agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+        res[name] = dict(matching_prefix=agree, identical=got == want)
+        del core
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next engine measures free memory for its budget
+    res["ok"] = all(v["identical"] for v in res.values() if isinstance(v, dict))
+    return res

@@ -1,0 +1,102 @@
+"""The settings and paths the GPU build adds, checked on CPU: dummy weights, CUDA-graph settings and their
+memory reserve in the plan, and the model runner's decode-graph path (run eagerly on CPU, same padding)."""
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated (see test_triton_kernels.py)
+
+from ladle import LLM, SamplingParams
+from ladle.engine.planner import MiB, PlanInputs, plan_memory
+from ladle.engine.profiling import ActivationModel
+from ladle.worker.cuda_graphs import DecodeGraphs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(500) for _ in range(rng.randrange(3, 40))]} for _ in range(n)]
+
+
+def test_dummy_load_format_needs_only_a_config(tiny_qwen3_dir: str, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(Path(tiny_qwen3_dir, "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = Path(tiny_qwen3_dir, name)
+        if src.exists():
+            (tmp_path / name).write_text(src.read_text())
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        LLM(str(tmp_path))
+    runs = [LLM(str(tmp_path), load_format="dummy", seed=s) for s in (0, 0, 1)]
+    assert runs[0].config.settings["load_format"].value == "dummy"
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts(3), GREEDY, use_tqdm=False)] for llm in runs]
+    assert outs[0] == outs[1]  # the seed fixes the weights
+    norms = [p for n, p in runs[2].engine.core.runner.model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    weights = dict(runs[0].engine.core.runner.model.named_parameters())
+    other = dict(runs[2].engine.core.runner.model.named_parameters())
+    proj = "model.layers.0.self_attn.qkv_proj.weight"
+    assert abs(float(weights[proj].std()) - 0.02) < 0.005 and not torch.equal(weights[proj], other[proj])
+
+
+def test_cuda_graph_settings_on_cpu(tiny_qwen3_dir: str) -> None:
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
+    setting = llm.config.settings["max_cudagraph_capture_size"]
+    assert (setting.value, setting.source) == (0, "derived") and "cpu" in setting.reason
+    assert llm.config.plan.inputs.graph_bytes == 0 and llm.engine.core.runner.graphs is None
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size=8 needs CUDA graphs"):
+        LLM(tiny_qwen3_dir, max_cudagraph_capture_size=8)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        LLM(tiny_qwen3_dir, max_cudagraph_capture_size=0)
+    with pytest.raises(ValueError, match="load_format 'pt'"):
+        LLM(tiny_qwen3_dir, load_format="pt")
+
+
+def test_plan_reserves_graph_memory() -> None:
+    activation = ActivationModel((1 * MiB, 1024.0, 0.0, 0.0), (1 * MiB, 1024.0), 1024, 256, ())
+    common = dict(budget=1024 * MiB, budget_reason="test", weights=10 * MiB, kv_bytes_per_token=1024, block_size=16,
+                  model_max_len=4096, max_num_seqs=256, on_cpu=False, activation=activation)
+    plans = [plan_memory(PlanInputs(**common, graph_bytes=g), {}, lambda n, v, r: v) for g in (0, 64 * MiB)]
+    block_bytes = 1024 * 16
+    assert plans[0].num_kv_blocks - plans[1].num_kv_blocks == 64 * MiB // block_bytes
+    assert any(line.startswith("cuda graphs") for line in plans[1].lines())
+    assert not any(line.startswith("cuda graphs") for line in plans[0].lines())
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        plan_memory(PlanInputs(**common, graph_bytes=64 * MiB), {"num_kv_blocks": plans[0].num_kv_blocks},
+                    lambda n, v, r: v)
+
+
+def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner sends decode-only steps through DecodeGraphs (eager replay of the padded buffers on CPU):
+    batches of 1..5 decodes pad up to 1/2/4/8 rows, and the tokens equal the plain path's. Padding rows
+    (slot -1, context 0) are the Triton kernels' contract, so they run here in Triton's interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
+    from ladle.models import layers
+    from ladle.worker import triton_attention
+
+    batch = prompts(5, seed=7)
+    plain = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY, use_tqdm=False)]
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)  # built (and profiled) before the interpreter is in
+    monkeypatch.setattr(layers, "paged_attention", triton_attention.paged_attention)
+    runner = llm.engine.core.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
+                          runner.device)
+    used: list[int] = []
+    real_run = graphs.run
+
+    def counting_run(chunks):
+        used.append(len(chunks))
+        return real_run(chunks)
+
+    graphs.run = counting_run
+    runner.graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert used and max(used) == 5 and set(used) - {5}  # ran full and partly finished batches
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
+
