@@ -73,7 +73,8 @@ def test_plan_reserves_graph_memory() -> None:
 def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner sends decode-only steps through DecodeGraphs (eager replay of the padded buffers on CPU):
     batches of 1..5 decodes pad up to 1/2/4/8 rows, and the tokens equal the plain path's. Padding rows
-    (slot -1, context 0) are the Triton kernels' contract, so they run here in Triton's interpreter."""
+    (slot -1, context 0) are the Triton kernels' contract, so attention and the fused ops run here in
+    Triton's interpreter: everything the CUDA engine runs except the capture itself."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
     from ladle.models import layers
     from ladle.worker import triton_attention
@@ -83,6 +84,7 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, mo
     want = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY, use_tqdm=False)]
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)  # built (and profiled) before the interpreter is in
     monkeypatch.setattr(layers, "paged_attention", triton_attention.paged_attention)
+    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)  # the whole CUDA code path but capture
     runner = llm.engine.core.runner
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
                           runner.device)
