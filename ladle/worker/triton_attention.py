@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ladle.worker.inputs import AttentionMetadata
+from ladle.worker.triton_decode import num_splits_for, split_kv_decode
 
 LOG2E = 1.4426950408889634
 
@@ -175,12 +176,16 @@ def _paged_attention_kernel(
 
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None, tiles: TileConfig | None = None,
+    out: torch.Tensor | None = None, tiles: TileConfig | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] of this step's tokens, whose K/V are already in the pool -> output [T, H, D] in q's dtype.
 
     Request i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1], at positions context_lens[i] - q_len
     onwards, and attends causally to its first context_lens[i] tokens through block_tables[i].
+
+    A decode-only step whose requests x KV heads would leave the GPU mostly idle splits each context into
+    num_splits ranges (ladle.worker.triton_decode); None picks the count from the shapes (never on CPU),
+    1 forces the single-pass kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page, kvh, cache_hd = k_cache.shape
@@ -196,7 +201,13 @@ def attention(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // kvh
-    tiles = tiles or default_tiles(head_dim, group, q.device, max(attn.query_lens))
+    max_query_len = max(attn.query_lens)
+    tiles = tiles or default_tiles(head_dim, group, q.device, max_query_len)
+    if max_query_len == 1:
+        splits = num_splits_for(num_seqs, kvh, q.device) if num_splits is None else num_splits
+        if splits > 1:
+            return split_kv_decode(q, k_cache, v_cache, attn, scale, splits, out, block_n=tiles.block_n,
+                                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     block_q = tiles.block_m // group
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16  # CPU tensors: the interpreter is running
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
@@ -215,8 +226,8 @@ def attention(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    attn: AttentionMetadata, scale: float, tiles: TileConfig | None = None,
+    attn: AttentionMetadata, scale: float, tiles: TileConfig | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """The same contract as ladle.worker.attention.paged_attention: write this step's K/V, then attend."""
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-    return attention(q, k_cache, v_cache, attn, scale, tiles=tiles)
+    return attention(q, k_cache, v_cache, attn, scale, tiles=tiles, num_splits=num_splits)
