@@ -336,7 +336,8 @@ def table(results: dict) -> str:
                      if isinstance(v, dict)]
         elif name in ("ops_check", "engine_vs_hf"):
             cells = [f"ok={res['ok']}"] + [
-                f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}" for k, v in res.items() if isinstance(v, dict)]
+                f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"
+                for k, v in res.items() if isinstance(v, dict)]
         elif name.endswith("cuda_graphs"):
             cells = [f"capture {res['capture_s']}s"] + [
                 f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "

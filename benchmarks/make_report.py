@@ -231,7 +231,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
 
 
 GPU_GOALS = [
-    ("batch-1 decode, Qwen3-8B shape", ">= 240 tok/s (82% of the ~293 tok/s bandwidth limit)", "ladle_8b_decode_batch1"),
+    ("batch-1 decode, Qwen3-8B shape", ">= 240 tok/s (82% of the ~293 tok/s bandwidth limit)",
+     "ladle_8b_decode_batch1"),
     ("offline 1000 in / 1000 out", ">= 10,000 output tok/s", "ladle_8b_offline_1000x1000"),
     ("prefill MFU at chunk 8192", ">= 60%", "ladle_8b_prefill_chunk8192"),
     ("131,072-token prompt, default settings", "completes; activation peak <= 3 GiB", "ladle_8b_prompt_131k"),

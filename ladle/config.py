@@ -14,8 +14,8 @@ import torch
 logger = logging.getLogger("ladle")
 
 Source = Literal["explicit", "default", "derived"]
-# vLLM spellings accepted as aliases of ladle's names.
 DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
+# vLLM spellings accepted as aliases of ladle's names.
 ALIASES = {"long_prefill_token_threshold": "max_prefill_length", "num_gpu_blocks_override": "num_kv_blocks"}
 
 
@@ -118,12 +118,14 @@ def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provena
     if size is not None:
         positive_int(name, size)
         if device.type != "cuda" or args.enforce_eager:
-            raise ValueError(f"{name}={size} needs CUDA graphs, which {'enforce_eager disables' if args.enforce_eager else 'exist on CUDA only'}; drop {name}")
+            why = "enforce_eager disables" if args.enforce_eager else "exist on CUDA only"
+            raise ValueError(f"{name}={size} needs CUDA graphs, which {why}; drop {name}")
         return prov.put(name, size)
     if device.type != "cuda" or args.enforce_eager:
         return prov.put(name, 0, "enforce_eager" if args.enforce_eager else f"no CUDA graphs on {device.type}")
     size = min(DEFAULT_CUDAGRAPH_CAPTURE_SIZE, args.max_num_seqs)
-    return prov.put(name, size, f"min({DEFAULT_CUDAGRAPH_CAPTURE_SIZE}, max_num_seqs): a decode step has at most max_num_seqs rows")
+    return prov.put(name, size, f"min({DEFAULT_CUDAGRAPH_CAPTURE_SIZE}, max_num_seqs): a decode step has at most "
+                                "max_num_seqs rows")
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -125,7 +125,8 @@ class GatedMLP(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; only 'silu'")
         # gate and up in one matmul; the loader fills each half from the checkpoint's gate_proj / up_proj.
-        self.gate_up_proj = StackedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
