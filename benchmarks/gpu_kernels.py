@@ -1,8 +1,11 @@
 """Kernel-level sections of the device run (benchmarks/gpu_h200.py): the Triton kernels against the CPU
-reference, attention alone at a few tile sizes, and decode steps eager vs replayed from CUDA graphs."""
+reference, attention alone at a few tile sizes and with split-KV decode, and decode steps eager vs replayed
+from CUDA graphs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -88,35 +91,56 @@ def kernel_check(device: torch.device, small: bool) -> dict:
     return res
 
 
-def kernel_speed(device: torch.device) -> dict:
-    """Attention alone at the 8B head shape: a long prefill chunk (TFLOP/s) and a wide decode (GB/s of KV
-    read), for the default tiles and a few others, so the next round can retune without a sweep."""
-    from ladle.worker import triton_attention as ta
+def _attention_case(reqs: list[tuple[int, int]], device: torch.device) -> tuple:
+    """(step metadata, q, k pool, v pool, FLOPs, KV bytes read) of bf16 attention at the 8B head shape for
+    requests (tokens cached, new tokens), each on shuffled blocks of one scratch pool."""
     from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 
     page, heads, kvh, dim = 16, 32, 8, 128
+    blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
+    chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
+    step = build_step_inputs(chunks, page, device)
+    nb = sum(len(c.block_ids) for c in chunks)
+    kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
+    flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)
+    kv_bytes = sum(2.0 * (s + n) * kvh * dim * 2 for s, n in reqs)
+    return step.attn, q, kc, vc, flops, kv_bytes
+
+
+def _timed(fn: Callable[[], Any], flops: float, kv_bytes: float, device: torch.device, reps: int = 5) -> dict:
+    fn()  # compile and warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    ms = start.elapsed_time(end) / reps
+    return dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), kv_gb_s=round(kv_bytes / ms / 1e6, 1))
+
+
+def kernel_speed(device: torch.device) -> dict:
+    """Attention alone at the 8B head shape: a long prefill chunk (TFLOP/s) and a wide decode (GB/s of KV
+    read), for the default tiles and a few others, so the next round can retune without a sweep; and a
+    lone long decode with the automatic split-KV path against one pass (num_splits=1)."""
+    from ladle.worker import triton_attention as ta
+    from ladle.worker.triton_decode import num_splits_for
+
+    dim = 128
     cases = {"prefill_8192_at_8192": [(8192, 8192)], "decode_256_at_2048": [(2047, 1)] * 256}
     tiles = {"default": None, "64x64w4": ta.TileConfig(64, 64, 4, 2), "128x64w8": ta.TileConfig(128, 64, 8, 2),
              "16x64w4": ta.TileConfig(16, 64, 4, 2), "16x128w4": ta.TileConfig(16, 128, 4, 2)}
     res: dict[str, Any] = {}
     for name, reqs in cases.items():
-        blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
-        chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
-        step = build_step_inputs(chunks, page, device)
-        nb = sum(len(c.block_ids) for c in chunks)
-        kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
-        q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
-        flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)
-        kv_bytes = sum(2.0 * (s + n) * kvh * dim * 2 for s, n in reqs)
+        attn, q, kc, vc, flops, kv_bytes = _attention_case(reqs, device)
         for label, tile in tiles.items():
-            ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)  # compile and warm up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                ta.attention(q, kc, vc, step.attn, dim**-0.5, tiles=tile)
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = start.elapsed_time(end) / 5
-            res[f"{name}/{label}"] = dict(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                                          kv_gb_s=round(kv_bytes / ms / 1e6, 1))
+            run = partial(ta.attention, q, kc, vc, attn, dim**-0.5, tiles=tile)
+            res[f"{name}/{label}"] = _timed(run, flops, kv_bytes, device)
+    for context in (8192, 131072):
+        attn, q, kc, vc, flops, kv_bytes = _attention_case([(context - 1, 1)], device)
+        auto = num_splits_for(1, kc.shape[2], device)
+        for label, splits in ((f"auto{auto}", None), ("splits1", 1)):
+            run = partial(ta.attention, q, kc, vc, attn, dim**-0.5, num_splits=splits)
+            res[f"decode_1_at_{context}/{label}"] = _timed(run, flops, kv_bytes, device)
     return res

@@ -11,6 +11,9 @@ head r % G), so a decode's G heads fill one matrix multiply and each KV tile is 
 A program finds its request by binary search over cu_seqlens_q on the device, so a launch needs only
 tensor shapes from the host: no device-to-host sync, and the launch can be captured in a CUDA graph.
 
+A decode-only step with too few (request, KV head) pairs to fill the GPU instead splits each context across
+programs (flash-decoding, ladle.worker.triton_decode): one program per pair would read a long context alone.
+
 CPU tensors mean Triton's interpreter is running (TRITON_INTERPRET=1, for tests without a GPU). Its dots
 on bfloat16 operands are wrong, so operands are upcast to fp32 there; on a GPU they stay in the model
 dtype with fp32 accumulation.
