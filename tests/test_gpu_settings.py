@@ -91,9 +91,9 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, mo
     used: list[int] = []
     real_run = graphs.run
 
-    def counting_run(chunks):
+    def counting_run(chunks, table=None):
         used.append(len(chunks))
-        return real_run(chunks)
+        return real_run(chunks, table)
 
     graphs.run = counting_run
     runner.graphs = graphs

@@ -18,6 +18,7 @@ from ladle.models.loader import kv_cache_shape_params
 from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
+from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.model_runner import ModelRunner, SampledToken, allocate_kv_caches
 
 logger = logging.getLogger("ladle")
@@ -59,7 +60,9 @@ class EngineCore:
         num_layers, num_kv_heads, head_dim = kv_cache_shape_params(hf_config)
         caches = allocate_kv_caches(num_layers, cfg.num_kv_blocks, cfg.block_size, num_kv_heads, head_dim,
                                     cfg.dtype, cfg.device)
-        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device)
+        # Room for every running request, and as many again for preempted ones coming back.
+        tables = BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
+        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables)
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:

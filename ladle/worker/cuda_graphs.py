@@ -89,20 +89,21 @@ class DecodeGraphs:
             self.graphs[n] = _Captured(graph, logits)
         torch.cuda.synchronize(self.device)
 
-    def _fill(self, chunks: list[ScheduledChunk], batch: int) -> None:
-        """Copy a step's inputs into rows [0, len(chunks)) and padding into the rest, up to `batch` rows."""
+    def _fill(self, chunks: list[ScheduledChunk], batch: int, table: torch.Tensor | None = None) -> None:
+        """Copy a step's inputs into rows [0, len(chunks)) and padding into the rest, up to `batch` rows.
+        table: the step's host block table when the caller keeps one (else built from the chunks)."""
         n, bs = len(chunks), self.block_size
         pad = batch - n
         pos = [c.start_pos for c in chunks]
         slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
         pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
-        rows = [c.block_ids[: p // bs + 1] for c, p in zip(chunks, pos)]
-        # Only the columns this step reads are copied: the buffer spans max_model_len (8K blocks at 128K
-        # context), and what lies past a row's context length is never read.
-        width = max((len(r) for r in rows), default=1)
-        # One tensor from padded lists: a torch.tensor per row costs microseconds each, at 256 rows per step.
-        padded = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * pad
-        tables = torch.tensor(padded, dtype=torch.int32)
+        if table is None:
+            rows = [c.block_ids[: p // bs + 1] for c, p in zip(chunks, pos)]
+            width = max((len(r) for r in rows), default=1)
+            table = torch.tensor([r + [0] * (width - len(r)) for r in rows] or [[0]], dtype=torch.int32)
+        # Only the rows and columns this step reads are copied: the buffer spans max_model_len (8K blocks at
+        # 128K context); padding rows have context 0, and nothing past a context length is ever read.
+        rows_n, width = table.shape
 
         def put(dst: torch.Tensor, values: list[int], fill: int) -> None:
             host = torch.tensor(values + [fill] * pad, dtype=dst.dtype)
@@ -112,16 +113,16 @@ class DecodeGraphs:
         put(self.positions, pos, 0)
         put(self.slot_mapping, slots, -1)
         put(self.context_lens, [p + 1 for p in pos], 0)
-        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pin else tables, non_blocking=True)
+        self.block_tables[:rows_n, :width].copy_(table.pin_memory() if pin else table, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], table: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [len(chunks), vocab] of a decode-only step. On the graph path the result is a view of
         the graph's output buffer: sample from it before the next step replays the graph."""
         if not self.can_run(chunks):
             raise ValueError("DecodeGraphs runs decode-only steps of at most max_batch requests")
         batch = self.bucket(len(chunks))
-        self._fill(chunks, batch)
+        self._fill(chunks, batch, table)
         captured = self.graphs.get(batch)
         if captured is None:
             context = tuple(c.start_pos + 1 for c in chunks) + (0,) * (batch - len(chunks))

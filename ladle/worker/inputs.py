@@ -75,8 +75,11 @@ def block_table_rows(chunks: list[ScheduledChunk], block_size: int) -> list[list
 
 
 def build_step_inputs(
-    chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu"
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
+    block_table: torch.Tensor | None = None,
 ) -> StepInputs:
+    """block_table: the step's [len(chunks), >= blocks needed] int32 host table, when the caller keeps the
+    tables itself (ladle.worker.block_table); otherwise it is built from the chunks' block ids."""
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
     for c in chunks:
@@ -98,7 +101,8 @@ def build_step_inputs(
         slot_mapping=as_tensor(slot_mapping_for(chunks, block_size), torch.int64),
         cu_seqlens_q=as_tensor(cu, torch.int32),
         context_lens=as_tensor(context, torch.int32),
-        block_tables=as_tensor(block_table_rows(chunks, block_size), torch.int32),
+        block_tables=(as_tensor(block_table_rows(chunks, block_size), torch.int32) if block_table is None
+                      else (block_table.pin_memory() if pin else block_table).to(device, non_blocking=True)),
         query_lens=tuple(len(c.token_ids) for c in chunks),
         context_lens_host=tuple(context),
         block_size=block_size,

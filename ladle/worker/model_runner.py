@@ -7,6 +7,7 @@ import torch
 
 from ladle.engine.scheduler import SchedulerOutput
 from ladle.outputs import Logprob
+from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 from ladle.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -32,12 +33,13 @@ def allocate_kv_caches(
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int, device: torch.device,
+        block_size: int, device: torch.device, block_table: BlockTableBuffer | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.block_table = block_table  # the engine's persistent host tables; None: built from each step
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
 
@@ -71,15 +73,23 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in requests],
             stop_token_ids=[r.stop_token_ids for r in requests],
         )
-        out = self.run(chunks, meta)
+        table = None
+        if self.block_table is not None:
+            table = self.block_table.gather(
+                [s.request.request_id for s in sched.scheduled], [c.block_ids for c in chunks],
+                [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks])
+        out = self.run(chunks, meta, table)
         return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], meta: SamplingMetadata) -> SamplerOutput:
-        """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk."""
+    def run(
+        self, chunks: list[ScheduledChunk], meta: SamplingMetadata, block_table: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk.
+        block_table: the step's [chunks, blocks] host table when the caller keeps one (else built here)."""
         if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.sampler(self.graphs.run(chunks), meta)
-        inputs = build_step_inputs(chunks, self.block_size, self.device)
+            return self.sampler(self.graphs.run(chunks, block_table), meta)
+        inputs = build_step_inputs(chunks, self.block_size, self.device, block_table)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampled_rows:
             return SamplerOutput([], [])
