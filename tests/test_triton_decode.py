@@ -26,6 +26,7 @@ from test_triton_kernels import TOLERANCE, Step  # noqa: E402
 from ladle.worker import triton_attention as kernels  # noqa: E402
 from ladle.worker import triton_decode  # noqa: E402
 from ladle.worker.inputs import AttentionMetadata  # noqa: E402
+from sm90 import compile_for_sm90  # noqa: E402
 
 # Context lengths of the decodes: one token, either side of a page / key tile (16), and a long one.
 CONTEXTS = (1, 15, 16, 17, 300)
@@ -120,20 +121,9 @@ def test_num_splits_for_depends_on_shapes_only() -> None:
         assert triton_decode.num_splits_for(sms, 8, DEVICE) == 1
 
 
-# Hopper (sm_90) compile of the two kernels, as test_triton_kernels.test_kernels_compile_for_hopper does for
-# the paged kernel: ptxas catches what the interpreter cannot. In a subprocess, without TRITON_INTERPRET.
+# Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from ladle.worker import triton_decode as td
-
-def build(kernel, types, consts, **options):
-    sig = dict(types, **{name: "constexpr" for name in consts})
-    constexprs = {(kernel.arg_names.index(name),): value for name, value in consts.items()}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-    assert "cubin" in compiled.asm, "ptxas produced no cubin"
-    return compiled
 
 i32 = lambda *names: {n: "i32" for n in names}
 print("triton", triton.__version__)
@@ -153,15 +143,4 @@ print("compiled for sm_90")
 
 
 def test_decode_kernels_compile_for_hopper() -> None:
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled for sm_90" in proc.stdout
+    compile_for_sm90(_COMPILE_FOR_SM90)

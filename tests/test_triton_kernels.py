@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 from ladle.worker import attention as reference  # noqa: E402
 from ladle.worker import triton_attention as kernels  # noqa: E402
 from ladle.worker.inputs import AttentionMetadata, ScheduledChunk, build_step_inputs, slot_mapping_for  # noqa: E402
+from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
 NUM_BLOCKS = 40
@@ -196,21 +197,9 @@ def test_decode_graph_buffers_pad_without_side_effects(monkeypatch: pytest.Monke
         assert torch.equal(k0, k1) and torch.equal(v0, v1)  # nothing else in the pool changed
 
 
-# Compiles the kernels for Hopper (sm_90, the H200) without a GPU: Triton lowers to PTX and runs the bundled
-# ptxas, which catches what the interpreter cannot (types of loop-carried values, constexpr misuse, layouts).
-# In a subprocess, because this module's TRITON_INTERPRET=1 turns every kernel into an interpreted one.
+# Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from ladle.worker import triton_attention as ta
-
-def build(kernel, types, consts, **options):
-    sig = dict(types, **{name: "constexpr" for name in consts})
-    constexprs = {(kernel.arg_names.index(name),): value for name, value in consts.items()}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-    assert "cubin" in compiled.asm, "ptxas produced no cubin"
-    return compiled
 
 ptr = lambda t: dict(q=t, k_cache=t, v_cache=t, out=t, cu_seqlens_q="*i32", context_lens="*i32", block_tables="*i32")
 ints = {n: "i32" for n in ("num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
@@ -229,15 +218,4 @@ print("compiled for sm_90")
 
 
 def test_kernels_compile_for_hopper() -> None:
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled for sm_90" in proc.stdout
+    compile_for_sm90(_COMPILE_FOR_SM90)

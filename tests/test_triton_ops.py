@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from ladle.models.layers import RMSNorm, apply_rotary
 from ladle.worker import triton_ops as ops
+from sm90 import compile_for_sm90  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (atol, rtol): fp32 differs only by reduction order / rsqrt; low precision by at most one ulp, rarely.
@@ -158,20 +159,14 @@ def test_empty_batch() -> None:
     assert q.shape == (0, 4, 16) and k.shape == (0, 2, 16)
 
 
-# Compiles the kernels for Hopper (sm_90, the H200) without a GPU, as tests/test_triton_kernels.py does: in a
-# subprocess, because this module's TRITON_INTERPRET=1 turns every kernel into an interpreted one.
+# Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from ladle.worker import triton_ops as ops
 
+_build = build
+
 def build(kernel, types, consts, **options):
-    options["enable_fp_fusion"] = False  # as the wrappers launch them
-    sig = dict(types, **{name: "constexpr" for name in consts})
-    constexprs = {(kernel.arg_names.index(name),): value for name, value in consts.items()}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-    assert "cubin" in compiled.asm, "ptxas produced no cubin"
+    return _build(kernel, types, consts, enable_fp_fusion=False, **options)  # as the wrappers launch them
 
 ints = lambda *names: {n: "i32" for n in names}
 for dt in ("*bf16", "*fp16", "*fp32"):
@@ -193,15 +188,4 @@ print("compiled for sm_90")
 
 
 def test_kernels_compile_for_hopper() -> None:
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton build has no NVIDIA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled for sm_90" in proc.stdout
+    compile_for_sm90(_COMPILE_FOR_SM90)
