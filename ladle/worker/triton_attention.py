@@ -28,8 +28,8 @@ import triton.language as tl
 
 from ladle.worker.inputs import AttentionMetadata
 from ladle.worker.triton_decode import num_splits_for, split_kv_decode
+from ladle.worker.triton_tile import LOG2E, attend_kv_tile
 
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -155,21 +155,9 @@ def _paged_attention_kernel(
         for start in range(0, last, BLOCK_N):
             kn = start + tl.arange(0, BLOCK_N)
             k_ok = kn < last
-            block = tl.load(table + kn // PAGE, mask=k_ok, other=0).to(tl.int64)
-            slot = block * stride_cb + (kn % PAGE) * stride_cs + kv_head * stride_ch
-            kt = tl.load(k_cache + slot[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-            vt = tl.load(v_cache + slot[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
-            s = tl.dot(qt, kt, input_precision=PRECISION) * qk_scale
-            s = tl.where(k_ok[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-            m_i = m_new
+            visible = k_ok[None, :] & (kn[None, :] <= pos[:, None])
+            m_i, l_i, acc = attend_kv_tile(qt, m_i, l_i, acc, k_cache, v_cache, table, kn, k_ok, visible, kv_head,
+                                           d, d_ok, qk_scale, stride_cb, stride_cs, stride_ch, PAGE, UPCAST, PRECISION)
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_i[:, None]
