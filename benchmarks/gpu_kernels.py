@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def sync(device: torch.device) -> None:
@@ -137,10 +138,43 @@ def kernel_speed(device: torch.device) -> dict:
         for label, tile in tiles.items():
             run = partial(ta.attention, q, kc, vc, attn, dim**-0.5, tiles=tile)
             res[f"{name}/{label}"] = _timed(run, flops, kv_bytes, device)
+    res.update(sdpa_peer(device))
     for context in (8192, 131072):
         attn, q, kc, vc, flops, kv_bytes = _attention_case([(context - 1, 1)], device)
         auto = num_splits_for(1, kc.shape[2], device)
         for label, splits in ((f"auto{auto}", None), ("splits1", 1)):
             run = partial(ta.attention, q, kc, vc, attn, dim**-0.5, num_splits=splits)
             res[f"decode_1_at_{context}/{label}"] = _timed(run, flops, kv_bytes, device)
+    return res
+
+
+def sdpa_peer(device: torch.device, cached: int = 8192, new: int = 8192) -> dict:
+    """torch's own SDPA (FlashAttention-2 on CUDA) on the prefill case, as the peer the Triton kernel is
+    chosen against: once on K/V already contiguous (the kernel's speed of light in torch), once including
+    the gather of the request's blocks a backend built on it would pay each step. Bottom-right causal
+    alignment, as a chunk after `cached` tokens needs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    attn, q, kc, vc, flops, kv_bytes = _attention_case([(cached, new)], device)
+    ctx = cached + new
+    table = attn.block_tables[0, : -(-ctx // kc.shape[1])].long()
+    heads, dim = q.shape[1:]
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        return pool.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, D]
+
+    qs, mask = q.transpose(0, 1)[None], causal_lower_right(new, ctx)
+    k, v = gather(kc), gather(vc)
+    backend = SDPBackend.FLASH_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    res: dict[str, Any] = {}
+    for label, fn in (("sdpa_flash", lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)),
+                      ("gather+sdpa_flash", lambda: F.scaled_dot_product_attention(
+                          qs, gather(kc), gather(vc), attn_mask=mask, enable_gqa=True))):
+        try:
+            with sdpa_kernel(backend):
+                res[f"prefill_{new}_at_{cached}/{label}"] = (
+                    _timed(fn, flops, kv_bytes, device) if device.type == "cuda" else {"shape": list(fn().shape)})
+        except Exception as e:  # noqa: BLE001 - a backend this torch lacks is a finding, not a failed run
+            res[f"prefill_{new}_at_{cached}/{label}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return res

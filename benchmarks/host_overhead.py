@@ -70,8 +70,8 @@ def main() -> None:
         row = measure(a.batch, ctx)
         lines.append(f"| {ctx:,} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
         print(lines[-1], flush=True)
-    lines += ["", f"Reproduce: `OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --out "
-              f"benchmarks/results/host_overhead.md`", ""]
+    lines += ["", "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --out "
+              "benchmarks/results/host_overhead.md`", ""]
     if a.out:
         Path(a.out).write_text("\n".join(lines))
         print(f"wrote {a.out}")
