@@ -1,9 +1,11 @@
-"""Host time to prepare one decode step's inputs, which a GPU replaying a CUDA graph waits for.
+"""Host time per decode step, which a GPU replaying a CUDA graph waits for (the engine loop is synchronous).
 
 256 decodes at contexts 2K / 8K / 32K (block size 16): the eager builder (`build_step_inputs`) and the
 CUDA-graph buffers' fill (`DecodeGraphs._fill`, run on CPU tensors: the same host work, minus the pinned
 copy), each with the step's block table rebuilt from Python lists vs taken from the persistent
-`BlockTableBuffer`. Median of 5 runs of 20 steps; run with OMP_NUM_THREADS=1.
+`BlockTableBuffer`. Then the whole `EngineCore.step()` of 256 running decodes with the model replaced by a
+stub that returns zeros: scheduling, inputs, sampling and output bookkeeping, everything but the model.
+Median of 5 runs of 20 steps; run with OMP_NUM_THREADS=1.
 
     python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.md
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,6 +55,34 @@ def measure(batch: int, context: int) -> list[float]:
     ]
 
 
+def engine_step_ms(batch: int, context: int, workdir: str) -> tuple[float, float]:
+    """One EngineCore.step() of `batch` decodes at `context` tokens, model stubbed out: the host's share,
+    with the persistent block tables and with tables rebuilt from lists each step."""
+    from ladle.config import EngineArgs
+    from ladle.demo import build_checkpoint
+    from ladle.engine.core import EngineCore
+    from ladle.sampling_params import SamplingParams
+
+    path = build_checkpoint(workdir, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                            max_position_embeddings=2 * context)
+    per_request = -(-2 * context // BLOCK)
+    args, explicit = EngineArgs.from_kwargs(model=path, max_num_batched_tokens=8192, max_num_seqs=batch,
+                                            num_kv_blocks=batch * per_request)
+    core = EngineCore(args, explicit)
+    params = SamplingParams(temperature=0.0, max_tokens=context, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(core.make_request(f"r{i}", [1 + (i + j) % 400 for j in range(context)], params))
+    while any(r.is_prefilling for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    model, vocab = core.runner.model, core.hf_config.vocab_size
+    model.forward = lambda ids, *_: torch.zeros(ids.shape[0], 64)
+    model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)
+    with_buffer = median_ms(core.step)
+    core.runner.block_table = None
+    return with_buffer, median_ms(core.step)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=256)
@@ -70,6 +101,12 @@ def main() -> None:
         row = measure(a.batch, ctx)
         lines.append(f"| {ctx:,} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
         print(lines[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        step, rebuilt = engine_step_ms(a.batch, 2048, tmp)
+    lines += ["", f"Whole `EngineCore.step()` of {a.batch} decodes at 2,048 tokens with the model stubbed out "
+              f"(scheduling, inputs, sampling, bookkeeping): **{step:.2f} ms** per step ({rebuilt:.2f} ms with "
+              "the tables rebuilt from lists)."]
+    print(lines[-1], flush=True)
     lines += ["", "Reproduce: `OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --out "
               "benchmarks/results/host_overhead.md`", ""]
     if a.out:

@@ -180,6 +180,15 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Grow the request's table to hold num_tokens tokens, starting with computed_blocks (its prefix
         hit) when it has no table yet; False (and no change) if the pool is short."""
+        table = self.block_tables.get(request_id)
+        if table is not None and not computed_blocks:
+            # A running request (every decode step): usually its last block still has room.
+            need = self.blocks_for(num_tokens) - len(table)
+            if need > 0:
+                if need > self.pool.num_free:
+                    return False
+                table.extend(self.pool.allocate(need))
+            return True
         if self.num_blocks_to_allocate(request_id, num_tokens, computed_blocks) > self.pool.num_free:
             return False
         table = self.block_tables.setdefault(request_id, [])

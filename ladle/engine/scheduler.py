@@ -102,8 +102,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        decodes = [r for r in self.running if not r.is_prefilling]
-        prefills = [r for r in self.running if r.is_prefilling]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (prefills if r.is_prefilling else decodes).append(r)
         for req in decodes + prefills:
             if budget == 0:
                 break
