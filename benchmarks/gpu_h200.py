@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
 from gpu_kernels import decode_graphs, kernel_check, kernel_speed, sync  # noqa: E402
+from gpu_table import table  # noqa: E402
 
 GiB = 2**30
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -319,36 +320,6 @@ def hf_peer(run: Run, s: Sizes, shape: dict) -> None:
     run.section("hf_batch1", 20, lambda: (gen(1, 8, 2), gen(1, *s.hf_batch1))[1])  # a tiny warm-up first
     run.section(f"hf_batch{s.hf_batch}", 40, lambda: gen(s.hf_batch, *s.hf_batch64))
     box.clear()
-
-
-_SHOWN = ("ok", "max_abs_err", "completed", "finished", "requests", "output_tok_s", "decode_tok_s", "tok_s", "mfu",
-          "tflops", "largest_step", "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib",
-          "startup_s", "max_num_batched_tokens", "wall_s")
-
-
-def table(results: dict) -> str:
-    lines = []
-    for name, res in results["sections"].items():
-        if "error" in res or "skipped" in res:
-            cells = [f"ERROR {res['error'][:100]}" if "error" in res else f"skipped ({res['skipped']})"]
-        elif name == "kernel_check":
-            cells = [f"{k}: err {v['max_abs_err']:.1e} {'ok' if v['ok'] else 'FAIL'}" for k, v in res.items()
-                     if isinstance(v, dict)]
-        elif name in ("ops_check", "engine_vs_hf"):
-            cells = [f"ok={res['ok']}"] + [
-                f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"
-                for k, v in res.items() if isinstance(v, dict)]
-        elif name.endswith("cuda_graphs"):
-            cells = [f"capture {res['capture_s']}s"] + [
-                f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "
-                f"{v['max_abs_logit_diff']:.1e})" for k, v in res.items() if isinstance(v, dict)]
-        elif name == "kernel_speed":
-            cells = [f"{k} {v['ms']}ms {v['tflops']}TF {v['kv_gb_s']}GB/s" for k, v in res.items()
-                     if isinstance(v, dict)]
-        else:
-            cells = [f"{k}={res[k]}" for k in _SHOWN if res.get(k) is not None]
-        lines.append(f"{name:<30} " + "  ".join(cells))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,7 +258,7 @@ def gpu_section() -> list[str]:
     import sys
 
     sys.path.insert(0, str(HERE))
-    from gpu_h200 import table as gpu_table  # the device script's own summary, so both always agree
+    from gpu_table import table as gpu_table  # the device script's own summary, so both always agree
 
     r = json.loads(path.read_text())
     return lines + [f"Measured on {r['device']}, torch {r['torch']}, {r.get('total_s')} s in all:", "", "```",
