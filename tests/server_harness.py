@@ -137,3 +137,32 @@ def assert_error_envelope(r: httpx.Response, status: int, code: str | None = Non
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+async def stream_tokens(http: httpx.AsyncClient, body: dict, times: list[float],
+                         first_token: list[float] | None = None) -> dict:
+    """Stream a completion, appending each content chunk's arrival time; returns the last (usage) event."""
+    events = []
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            ev = sse_events([line])[0]
+            events.append(ev)
+            if isinstance(ev, dict) and ev.get("choices"):
+                times.append(now)
+                if first_token is not None and not first_token:
+                    first_token.append(now)
+    assert events[-1] == "[DONE]", events[-3:]
+    return events[-2]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of a Prometheus sample whose name starts with name and carries the given labels (0 if none)."""
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

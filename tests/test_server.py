@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from ladle import LLM, SamplingParams
-from server_harness import ServerProcess, assert_error_envelope, sse_events
+from server_harness import ServerProcess, assert_error_envelope, metric, sse_events, stream_tokens
 
 MAX_MODEL_LEN = 4096
 CHUNK = 64
@@ -121,34 +121,13 @@ def test_openai_client_chat_matches_offline_chat(client, offline):
             assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy takes the top one
 
 
-async def _stream_tokens(http: httpx.AsyncClient, body: dict, times: list[float],
-                         first_token: list[float] | None = None) -> dict:
-    """Stream a completion, appending each content chunk's arrival time; returns the last (usage) event."""
-    events = []
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True,
-                                                            "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.monotonic()
-            ev = sse_events([line])[0]
-            events.append(ev)
-            if isinstance(ev, dict) and ev.get("choices"):
-                times.append(now)
-                if first_token is not None and not first_token:
-                    first_token.append(now)
-    assert events[-1] == "[DONE]", events[-3:]
-    return events[-2]
-
-
 def test_long_prefill_does_not_stall_short_streams(server):
     long_ids = [random.Random(0).randrange(500) for _ in range(3600)]  # 57 chunks of 64 tokens
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             short_times: list[list[float]] = [[] for _ in range(3)]
-            short = [asyncio.create_task(_stream_tokens(http, {"prompt": f"Short request {i}:", "max_tokens": 300,
+            short = [asyncio.create_task(stream_tokens(http, {"prompt": f"Short request {i}:", "max_tokens": 300,
                                                                "temperature": 0, "ignore_eos": True}, short_times[i]))
                      for i in range(3)]
             deadline = time.monotonic() + 30
@@ -158,7 +137,7 @@ def test_long_prefill_does_not_stall_short_streams(server):
             sent = time.monotonic()
             long_times: list[float] = []
             first: list[float] = []
-            long_usage = await _stream_tokens(http, {"prompt": long_ids, "max_tokens": 4, "temperature": 0,
+            long_usage = await stream_tokens(http, {"prompt": long_ids, "max_tokens": 4, "temperature": 0,
                                                      "ignore_eos": True}, long_times, first)
             usages = await asyncio.gather(*short)
         prefill = first[0] - sent
@@ -175,18 +154,11 @@ def test_long_prefill_does_not_stall_short_streams(server):
     asyncio.run(asyncio.wait_for(run(), 120))
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_disconnected_clients_free_their_kv_blocks(server):
-    aborted_before = _metric(server.metrics(), "ladle:request_success_total", finished_reason="abort")
+    aborted_before = metric(server.metrics(), "ladle:request_success_total", finished_reason="abort")
 
     async def keeper(http: httpx.AsyncClient, i: int) -> dict:
-        return await _stream_tokens(http, {"prompt": f"Keeper {i} says", "max_tokens": 24, "ignore_eos": True,
+        return await stream_tokens(http, {"prompt": f"Keeper {i} says", "max_tokens": 24, "ignore_eos": True,
                                            "temperature": 0.7, "seed": i}, [])
 
     async def leaver(http: httpx.AsyncClient, i: int) -> None:
@@ -216,8 +188,8 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     body = server.wait_health(200, 15, kv_blocks_in_use=0, num_requests_running=0, num_requests_waiting=0)
     assert body["num_requests_in_flight"] == 0
     metrics = server.metrics()
-    assert _metric(metrics, "ladle:request_success_total", finished_reason="abort") - aborted_before >= 10
-    assert _metric(metrics, "ladle:kv_blocks_in_use") == 0
+    assert metric(metrics, "ladle:request_success_total", finished_reason="abort") - aborted_before >= 10
+    assert metric(metrics, "ladle:kv_blocks_in_use") == 0
 
 
 def test_bad_input_gets_4xx_envelopes_and_the_server_keeps_serving(server):
@@ -272,9 +244,9 @@ def test_metrics_report_engine_counters(server):
                  "ladle:time_to_first_token_seconds_bucket", "ladle:inter_token_latency_seconds_bucket",
                  "ladle:e2e_request_latency_seconds_bucket", "ladle:num_preemptions_total"):
         assert name in text, name
-    assert _metric(text, "ladle:prompt_tokens_total") > 0
-    assert _metric(text, "ladle:generation_tokens_total") >= 5
-    assert _metric(text, "ladle:prefill_chunks_total") >= 1
+    assert metric(text, "ladle:prompt_tokens_total") > 0
+    assert metric(text, "ladle:generation_tokens_total") >= 5
+    assert metric(text, "ladle:prefill_chunks_total") >= 1
     assert re.search(r"ladle:engine_healthy\{[^}]*\} 1\.0", text)
 
 
@@ -327,5 +299,5 @@ def test_kill_9_of_the_engine_fails_in_flight_requests_and_recovers(server, clie
     out = client.completions.create(model=model, prompt="after the restart", max_tokens=5, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 5
-    assert _metric(server.metrics(), "ladle:engine_restarts_total") == 1
+    assert metric(server.metrics(), "ladle:engine_restarts_total") == 1
     assert body["kv_blocks_in_use"] == 0
