@@ -9,6 +9,7 @@ on weight values, and every generation ignores EOS so lengths are exact.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -130,26 +131,30 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab - 1, (n, length), generator=g).tolist()
 
 
-def generate(core: Any, batch: list[list[int]], new: int, ids: itertools.count, deadline: float = float("inf")) -> dict:
-    """Run the batch through core.step() until done or past the deadline (then the rest is aborted)."""
+def generate(core: Any, batch: list[list[int]], new: int, ids: itertools.count, deadline: float = float("inf"),
+             keep_tokens: bool = False) -> dict:
+    """Run the batch through core.step() until done or past the deadline (then the rest is aborted);
+    keep_tokens adds each request's tokens, in batch order."""
     from ladle.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    live = set()
+    live, order, tokens = set(), [], {}
     for p in batch:
         req = core.make_request(f"r{next(ids)}", p, params)
         core.add_request(req)
         live.add(req.request_id)
+        order.append(req.request_id)
     device = core.config.device
-    steps_before = core.stats.num_steps
+    steps_before, ahead_before = core.stats.num_steps, core.stats.steps_ahead
     out_tokens = finished = 0
     first = None
     t0 = time.perf_counter()
     while core.has_unfinished_requests():
-        if time.perf_counter() > deadline:
-            core.abort_requests(sorted(live))
-            break
+        if live and time.perf_counter() > deadline:
+            core.abort_requests(sorted(live))  # a step launched ahead still drains below, its tokens dropped
+            live.clear()
         for o in core.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             out_tokens += len(o.new_token_ids)
             if first is None and out_tokens:
                 first = time.perf_counter()
@@ -164,7 +169,29 @@ def generate(core: Any, batch: list[list[int]], new: int, ids: itertools.count, 
     return dict(requests=len(batch), finished=finished, output_tokens=out_tokens, wall_s=round(wall, 3),
                 steps=n_steps, largest_step=max((r.num_tokens for r in steps), default=0),
                 output_tok_s=round(out_tokens / wall, 1), first_token_s=round((first or t0) - t0, 3),
-                decode_tok_s=round((out_tokens - len(batch)) / after_first, 1) if after_first > 0 else None)
+                decode_tok_s=round((out_tokens - len(batch)) / after_first, 1) if after_first > 0 else None,
+                steps_ahead=core.stats.steps_ahead - ahead_before, async_scheduling=core.config.async_scheduling,
+                **({"tokens": [tokens.get(r, []) for r in order]} if keep_tokens else {}))
+
+
+def set_async(core: Any, on: bool) -> None:
+    """Switch the engine's async scheduling between runs (a benchmark-only toggle: the engine reads the flag
+    from its config at every step, and no step is in flight between runs)."""
+    core.config = dataclasses.replace(core.config, async_scheduling=on)
+
+
+def decode_batch1(core: Any, s: Sizes, vocab: int, ids: itertools.count, box: dict) -> dict:
+    """Batch-1 decode, synchronous (the default) and with async scheduling; their greedy tokens must agree,
+    and only then does the offline section run with async scheduling."""
+    batch = prompts(1, s.decode_prompt, vocab, 2)
+    res = generate(core, batch, s.decode_new, ids, keep_tokens=True)
+    set_async(core, True)
+    try:
+        ahead = generate(core, batch, s.decode_new, ids, keep_tokens=True)
+    finally:
+        set_async(core, False)
+    box["async_ok"] = same = res.pop("tokens") == ahead.pop("tokens")
+    return dict(res, async_decode_tok_s=ahead["decode_tok_s"], async_tokens_identical=same, async_run=ahead)
 
 
 def peak(core: Any, fn: Callable[[], dict]) -> dict:
@@ -257,8 +284,7 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
     core = box.pop("core", None)
     if core is None:
         return
-    run.section("ladle_8b_decode_batch1", 15,
-                lambda: generate(core, prompts(1, s.decode_prompt, vocab, 2), s.decode_new, ids))
+    run.section("ladle_8b_decode_batch1", 25, lambda: decode_batch1(core, s, vocab, ids, box))
     run.section("ladle_8b_decode_cuda_graphs", 30, lambda: decode_graphs(core, s.graph_context, s.graph_batches))
     for chunk in s.prefill_chunks:
         run.section(f"ladle_8b_prefill_chunk{chunk}", 15, lambda c=chunk: prefill_speed(core, s.prefill_prompt, c,
@@ -268,8 +294,10 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
 
     def offline() -> dict:
         seconds = min(s.offline_seconds, run.left() - a.reserve_s)
+        set_async(core, bool(box.get("async_ok")))  # only once batch-1 showed the same tokens both ways
         res = generate(core, prompts(s.offline_requests, s.offline_in, vocab, 4), s.offline_out, ids,
                        time.perf_counter() + seconds)
+        set_async(core, False)
         return dict(res, time_limit_s=round(seconds, 1))
 
     run.section("ladle_8b_offline_1000x1000", 40, offline)

@@ -2,8 +2,8 @@
 (benchmarks/make_report.py imports it, so the report needs no torch)."""
 from __future__ import annotations
 
-_SHOWN = ("ok", "max_abs_err", "completed", "finished", "requests", "output_tok_s", "decode_tok_s", "tok_s", "mfu",
-          "tflops", "largest_step", "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib",
+_SHOWN = ("ok", "max_abs_err", "completed", "finished", "requests", "output_tok_s", "decode_tok_s",
+          "async_decode_tok_s", "async_tokens_identical", "async_scheduling", "tok_s", "mfu", "tflops", "largest_step", "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib",
           "startup_s", "max_num_batched_tokens", "wall_s")
 
 

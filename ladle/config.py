@@ -38,6 +38,7 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every step eager (vLLM semantics)
     max_cudagraph_capture_size: int | None = None  # largest decode batch replayed from a graph; default 512
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
+    async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     seed: int = 0
 
     @classmethod
@@ -77,6 +78,7 @@ class EngineConfig:
     seed: int
     enable_prefix_caching: bool = True
     max_cudagraph_capture_size: int = 0  # largest decode batch captured in a CUDA graph; 0 = eager only
+    async_scheduling: bool = False
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
 
@@ -166,5 +168,6 @@ def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, to
     if args.load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format {args.load_format!r}: choose one of auto, safetensors, dummy")
     prov.put("load_format", args.load_format)
+    prov.put("async_scheduling", bool(args.async_scheduling))
     prov.put("seed", args.seed)
     return device, dtype

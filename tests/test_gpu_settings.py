@@ -71,7 +71,8 @@ def test_plan_reserves_graph_memory() -> None:
 
 
 def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner sends decode-only steps through DecodeGraphs (eager replay of the padded buffers on CPU):
+    """The runner sends decode-only steps through DecodeGraphs (eager replay of the padded buffers on CPU),
+    with async scheduling on:
     batches of 1..5 decodes pad up to 1/2/4/8 rows, and the tokens equal the plain path's. Padding rows
     (slot -1, context 0) are the Triton kernels' contract, so attention and the fused ops run here in
     Triton's interpreter: everything the CUDA engine runs except the capture itself."""
@@ -82,7 +83,9 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, mo
     batch = prompts(5, seed=7)
     plain = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY, use_tqdm=False)]
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)  # built (and profiled) before the interpreter is in
+    # Built (and profiled) before the interpreter is in; async scheduling feeds most steps' input tokens to
+    # the graph buffers straight from the previous step's device tensor.
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, async_scheduling=True)
     monkeypatch.setattr(layers, "paged_attention", triton_attention.paged_attention)
     monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)  # the whole CUDA code path but capture
     runner = llm.engine.core.runner
@@ -91,14 +94,15 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, mo
     used: list[int] = []
     real_run = graphs.run
 
-    def counting_run(chunks, table=None):
+    def counting_run(chunks, *rest):
         used.append(len(chunks))
-        return real_run(chunks, table)
+        return real_run(chunks, *rest)
 
     graphs.run = counting_run
     runner.graphs = graphs
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert got == want
     assert used and max(used) == 5 and set(used) - {5}  # ran full and partly finished batches
+    assert llm.stats.steps_ahead > 5
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
 

@@ -19,7 +19,7 @@ from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer
-from ladle.worker.model_runner import ModelRunner, SampledToken, allocate_kv_caches
+from ladle.worker.model_runner import ModelRunner, PendingStep, SampledToken, allocate_kv_caches
 
 logger = logging.getLogger("ladle")
 
@@ -74,6 +74,7 @@ class EngineCore:
         self.stats = EngineStats()
         # A test hook run before each forward call (e.g. to inject an out-of-memory error).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # a step launched before its inputs were read
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_token_ids:
@@ -109,22 +110,42 @@ class EngineCore:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._ahead is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self.scheduler.has_unfinished():
-                # Admission checks guarantee a lone request fits, so an idle step with work left is a bug:
-                # fail loudly rather than spin forever.
-                raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting, "
-                                   f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
-            return []
+        """Run one step and return its outputs. With async scheduling a decode step whose successor is
+        certain launches that successor before reading its own tokens, so the device computes the next step
+        while the host does this one's bookkeeping; the next call then starts from the launched step."""
         start = time.perf_counter()
-        sampled, sched, failed = self._execute(sched)
-        ms = (time.perf_counter() - start) * 1000
-        self._record(sched, ms)
-        return failed + self._update(sched, sampled)
+        if self._ahead is not None:
+            sched, pending = self._ahead
+            self._ahead = None
+        else:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                if self.scheduler.has_unfinished():
+                    # Admission checks guarantee a lone request fits, so an idle step with work left is a bug:
+                    # fail loudly rather than spin forever.
+                    raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting, "
+                                       f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
+                return []
+            pending = self.runner.launch(sched, self.kv.block_tables) if self._can_defer() else None
+            if pending is None:
+                sampled, sched, failed = self._execute(sched)
+                self._record(sched, (time.perf_counter() - start) * 1000)
+                return failed + self._update(sched, sampled)
+        nxt = self.scheduler.schedule_ahead(sched)
+        if nxt is not None:
+            ahead = self.runner.launch(nxt, self.kv.block_tables, pending.token_ids)
+            self._ahead = None if ahead is None else (nxt, ahead)
+            self.stats.steps_ahead += ahead is not None
+        sampled = pending.result()
+        self._record(sched, (time.perf_counter() - start) * 1000)
+        return self._update(sched, sampled)
+
+    def _can_defer(self) -> bool:
+        # The OOM test hook wraps the synchronous path only.
+        return self.config.async_scheduling and self.before_execute is None
 
     def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], SchedulerOutput, list[EngineCoreOutput]]:
         """Run the step; on out-of-memory halve its tokens (not below one block) and run it again. The KV of
@@ -176,6 +197,10 @@ class EngineCore:
         self.stats.prefix_cache_hits += sched.prefix_cache_hits
         for s in sched.scheduled:
             req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                # Finished or aborted while this step, launched ahead, was running: its token is void.
+                self.stats.tokens_dropped += 1
+                continue
             if s.is_prefill:
                 self.stats.prefill_chunks.setdefault(req.request_id, []).append(s.num_new_tokens)
                 self.stats.prompt_tokens += s.num_new_tokens

@@ -77,7 +77,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=bool(args.enable_prefix_caching),
-        max_cudagraph_capture_size=graph_batch,
+        max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
         settings=prov.settings, plan=plan,
     )
     return Loaded(model, hf_config, config)

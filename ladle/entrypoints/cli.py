@@ -41,6 +41,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=S, help="CUDA: no CUDA graphs")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=S,
                    help="CUDA: largest decode batch replayed from a graph (default min(512, max_num_seqs))")
+    p.add_argument("--async-scheduling", action="store_true", default=S,
+                   help="launch a decode step whose successor is certain before reading its tokens")
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
                    help="dummy: random weights from config.json alone, for benchmarks")
     p.add_argument("--seed", type=int, default=S)
@@ -49,6 +51,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
                "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
                "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
+               "async_scheduling",
                "load_format", "seed")
 
 

@@ -89,9 +89,13 @@ class DecodeGraphs:
             self.graphs[n] = _Captured(graph, logits)
         torch.cuda.synchronize(self.device)
 
-    def _fill(self, chunks: list[ScheduledChunk], batch: int, table: torch.Tensor | None = None) -> None:
+    def _fill(
+        self, chunks: list[ScheduledChunk], batch: int, table: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> None:
         """Copy a step's inputs into rows [0, len(chunks)) and padding into the rest, up to `batch` rows.
-        table: the step's host block table when the caller keeps one (else built from the chunks)."""
+        table: the step's host block table when the caller keeps one (else built from the chunks).
+        input_ids: the input tokens already on the device (a step launched before its inputs were read)."""
         n, bs = len(chunks), self.block_size
         pad = batch - n
         pos = [c.start_pos for c in chunks]
@@ -109,20 +113,26 @@ class DecodeGraphs:
             host = torch.tensor(values + [fill] * pad, dtype=dst.dtype)
             dst[:batch].copy_(host.pin_memory() if pin else host, non_blocking=True)
 
-        put(self.input_ids, [c.token_ids[0] for c in chunks], 0)
+        if input_ids is None:
+            put(self.input_ids, [c.token_ids[0] for c in chunks], 0)
+        else:  # device to device, ordered after the step that produced them; padding rows only feed rows
+            # whose logits are dropped, so their stale ids may stay
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
         put(self.positions, pos, 0)
         put(self.slot_mapping, slots, -1)
         put(self.context_lens, [p + 1 for p in pos], 0)
         self.block_tables[:rows_n, :width].copy_(table.pin_memory() if pin else table, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], table: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, chunks: list[ScheduledChunk], table: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """fp32 logits [len(chunks), vocab] of a decode-only step. On the graph path the result is a view of
         the graph's output buffer: sample from it before the next step replays the graph."""
         if not self.can_run(chunks):
             raise ValueError("DecodeGraphs runs decode-only steps of at most max_batch requests")
         batch = self.bucket(len(chunks))
-        self._fill(chunks, batch, table)
+        self._fill(chunks, batch, table, input_ids)
         captured = self.graphs.get(batch)
         if captured is None:
             context = tuple(c.start_pos + 1 for c in chunks) + (0,) * (batch - len(chunks))

@@ -30,6 +30,31 @@ def allocate_kv_caches(
     ]
 
 
+class PendingStep:
+    """A launched step whose sampled tokens are still on the device.
+
+    Their copy to the host is queued at once, before anything launched later, and result() waits on an event
+    recorded right after it: a plain .tolist() would queue the copy behind the step launched ahead and wait
+    for that step too, which is exactly the overlap async scheduling is for."""
+
+    def __init__(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+        self.request_ids = request_ids
+        self.token_ids = token_ids  # [len(request_ids)] on the device, in request order: the next step's input
+        self._event: torch.cuda.Event | None = None
+        self._host = token_ids
+        if token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> dict[str, SampledToken]:
+        """Wait for this step's tokens (not for steps launched after it) and read them."""
+        if self._event is not None:
+            self._event.synchronize()
+        return {rid: SampledToken(t, None) for rid, t in zip(self.request_ids, self._host.tolist())}
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -66,20 +91,49 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
         chunks = self.prepare(sched, block_tables)
         requests = [s.request for s, c in zip(sched.scheduled, chunks) if c.sample]
-        meta = SamplingMetadata(
+        out = self.run(chunks, self._sampling_metadata(requests), self._table(sched, chunks))
+        return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
+
+    def launch(
+        self, sched: SchedulerOutput, block_tables: dict[str, list[int]], input_ids: torch.Tensor | None = None,
+    ) -> PendingStep | None:
+        """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the
+        engine can launch the next step before reading them (async scheduling). input_ids: the step's input
+        tokens when they are still on the device (the previous pending step's output). None when the step
+        does not qualify (a prefill chunk, logprobs, penalties, min_tokens): the caller runs execute()."""
+        if not sched.scheduled or any(s.is_prefill or s.num_new_tokens != 1 for s in sched.scheduled):
+            return None
+        requests = [s.request for s in sched.scheduled]
+        meta = self._sampling_metadata(requests)
+        if not self.sampler.deferrable(meta):
+            return None
+        if input_ids is None:
+            chunks = self.prepare(sched, block_tables)
+            if not all(c.sample for c in chunks):
+                return None
+        else:  # the input token is the previous step's output: a placeholder here, the device copy below
+            chunks = [ScheduledChunk([0], s.start_pos, block_tables[s.request.request_id], True)
+                      for s in sched.scheduled]
+        with torch.inference_mode():
+            logits = self._logits(chunks, self._table(sched, chunks), input_ids)
+            assert logits is not None
+            return PendingStep([r.request_id for r in requests], self.sampler.sample(logits, meta))
+
+    def _sampling_metadata(self, requests: list) -> SamplingMetadata:
+        return SamplingMetadata(
             params=[r.sampling_params for r in requests],
             generators=[r.generator for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             stop_token_ids=[r.stop_token_ids for r in requests],
         )
-        table = None
-        if self.block_table is not None:
-            table = self.block_table.gather(
-                [s.request.request_id for s in sched.scheduled], [c.block_ids for c in chunks],
-                [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks])
-        out = self.run(chunks, meta, table)
-        return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
+
+    def _table(self, sched: SchedulerOutput, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        if self.block_table is None:
+            return None
+        return self.block_table.gather(
+            [s.request.request_id for s in sched.scheduled], [c.block_ids for c in chunks],
+            [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks])
 
     @torch.inference_mode()
     def run(
@@ -87,11 +141,18 @@ class ModelRunner:
     ) -> SamplerOutput:
         """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk.
         block_table: the step's [chunks, blocks] host table when the caller keeps one (else built here)."""
+        logits = self._logits(chunks, block_table)
+        return SamplerOutput([], []) if logits is None else self.sampler(logits, meta)
+
+    def _logits(
+        self, chunks: list[ScheduledChunk], block_table: torch.Tensor | None, input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Logits of the sampled rows (None if no row samples); input_ids overrides the chunks' tokens."""
         if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.sampler(self.graphs.run(chunks, block_table), meta)
+            return self.graphs.run(chunks, block_table, input_ids)
         inputs = build_step_inputs(chunks, self.block_size, self.device, block_table)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        ids = inputs.input_ids if input_ids is None else input_ids
+        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampled_rows:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler(logits, meta)
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -45,11 +45,24 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        token_ids = self.sample(logits, meta)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(logits, token_ids, meta.params))
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Next token ids [rows] on the logits' device; no device-to-host sync."""
         if logits.dim() != 2 or logits.shape[0] != len(meta.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(meta.params)} sampled rows")
-        processed = self._apply_constraints(logits, meta)
-        token_ids = self._sample(processed, meta)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(logits, token_ids, meta.params))
+        return self._sample(self._apply_constraints(logits, meta), meta)
+
+    @staticmethod
+    def deferrable(meta: SamplingMetadata) -> bool:
+        """True when sampling needs nothing the host learns only from this step's tokens: no logprobs to
+        read back, and no penalties or min_tokens that count the tokens generated so far (a step launched
+        before its predecessor's tokens are read would count one too few)."""
+        return all(
+            p.logprobs is None and p.min_tokens == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 for p in meta.params
+        )
 
     # ---- logit processing (greedy and random rows alike) ----
 
