@@ -112,3 +112,25 @@ def test_steps_that_need_the_host_run_synchronously(pair: tuple[LLM, LLM]) -> No
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert got[0].outputs[0].logprobs is not None
     assert ahead.stats.steps_ahead == before
+
+
+def test_out_of_memory_in_a_launched_step_falls_back_to_the_synchronous_path(
+        pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every third launch (a step's own or a step ahead) runs out of memory: the step runs synchronously
+    instead (with the usual OOM retries there), and the tokens do not change."""
+    import torch
+
+    sync, ahead = pair
+    batch = prompts(4, seed=7)
+    runner = ahead.engine.core.runner
+    real_launch, calls = runner.launch, []
+
+    def flaky_launch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise torch.OutOfMemoryError("injected")
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch", flaky_launch)
+    assert tokens(ahead, batch, GREEDY) == tokens(sync, batch, GREEDY)
+    assert len(calls) > 6

@@ -129,14 +129,14 @@ class EngineCore:
                     raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting, "
                                        f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
                 return []
-            pending = self.runner.launch(sched, self.kv.block_tables) if self._can_defer() else None
+            pending = self._launch(sched) if self._can_defer() else None
             if pending is None:
                 sampled, sched, failed = self._execute(sched)
                 self._record(sched, (time.perf_counter() - start) * 1000)
                 return failed + self._update(sched, sampled)
-        nxt = self.scheduler.schedule_ahead(sched)
+        nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
         if nxt is not None:
-            ahead = self.runner.launch(nxt, self.kv.block_tables, pending.token_ids)
+            ahead = self._launch(nxt, pending.token_ids)
             self._ahead = None if ahead is None else (nxt, ahead)
             self.stats.steps_ahead += ahead is not None
         sampled = pending.result()
@@ -146,6 +146,17 @@ class EngineCore:
     def _can_defer(self) -> bool:
         # The OOM test hook wraps the synchronous path only.
         return self.config.async_scheduling and self.before_execute is None
+
+    def _launch(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> PendingStep | None:
+        """runner.launch, or None when it runs out of memory: the synchronous path, with its retries, then
+        runs the step (a step launched ahead is simply scheduled again; its KV slots get the same values)."""
+        try:
+            return self.runner.launch(sched, self.kv.block_tables, input_ids)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            logger.warning("out of memory launching a step (%s); it runs synchronously", type(e).__name__)
+            if self.config.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
 
     def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], SchedulerOutput, list[EngineCoreOutput]]:
         """Run the step; on out-of-memory halve its tokens (not below one block) and run it again. The KV of
