@@ -159,7 +159,6 @@ def sdpa_peer(device: torch.device, cached: int = 8192, new: int = 8192) -> dict
     attn, q, kc, vc, flops, kv_bytes = _attention_case([(cached, new)], device)
     ctx = cached + new
     table = attn.block_tables[0, : -(-ctx // kc.shape[1])].long()
-    heads, dim = q.shape[1:]
 
     def gather(pool: torch.Tensor) -> torch.Tensor:
         return pool.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, D]

@@ -31,7 +31,6 @@ from ladle.worker.triton_decode import num_splits_for, split_kv_decode
 from ladle.worker.triton_tile import LOG2E, attend_kv_tile
 
 
-
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int  # query rows per program (tokens x heads of one KV group)
@@ -179,7 +178,7 @@ def attention(
     1 forces the single-pass kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, page, kvh, cache_hd = k_cache.shape
+    _, page, kvh, cache_hd = k_cache.shape
     if cache_hd != head_dim or num_heads % kvh:
         raise ValueError(f"q {tuple(q.shape)} does not match a KV pool of {kvh} heads x {cache_hd}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or attn.block_tables.stride(-1) != 1:
