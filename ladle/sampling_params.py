@@ -1,7 +1,25 @@
 """SamplingParams, shaped like vLLM's so its users feel at home."""
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field, replace
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter out of its range; `field` names it (as vLLM and OpenAI spell it)."""
+
+    def __init__(self, field: str, rule: str, value: object) -> None:
+        super().__init__(f"SamplingParams.{field} {rule}, got {value!r}")
+        self.field, self.rule, self.value = field, rule, value
+
+
+def as_float32(x: float) -> float:
+    """x as the sampler's float32 tensors hold it: 5e-324 becomes 0.0, 1e39 becomes inf."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 @dataclass
@@ -37,15 +55,24 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        def bad(name: str, rule: str) -> InvalidSamplingParam:
+            return InvalidSamplingParam(name, rule, getattr(self, name))
 
+        # Every float must survive float32 as a finite number: the sampler computes in float32, and a NaN or
+        # inf there (or a 0 where 0 divides) poisons the whole row's distribution.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, "must be a number")
+            if not math.isfinite(as_float32(value)):
+                raise bad(name, "must be a finite number (within float32 range)")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0.0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0 or as_float32(self.top_p) == 0.0:
+            raise bad("top_p", "must be in (0, 1] and not round to 0 in float32")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
@@ -54,8 +81,8 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be > 0")
+        if self.repetition_penalty <= 0.0 or as_float32(self.repetition_penalty) == 0.0:
+            raise bad("repetition_penalty", "must be > 0 and not round to 0 in float32")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -68,6 +95,10 @@ class SamplingParams:
             raise bad("prompt_logprobs", "is not supported yet; leave it None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold token ids >= 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must be an integer in [-2**63, 2**64)")
 
     @property
     def greedy(self) -> bool:
@@ -76,4 +107,6 @@ class SamplingParams:
     def for_child(self, index: int) -> "SamplingParams":
         """Params of the index-th of n parallel samples: n=1, and a distinct seed so samples differ."""
         seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= 2**64:
+            seed -= 2**64  # wrap, as a uint64 seed would
         return replace(self, n=1, seed=seed)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -14,14 +14,24 @@ from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.setup import load_and_plan
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
+from ladle.engine.step_executor import RequestFailure, StepExecutor
 from ladle.models.loader import kv_cache_shape_params
 from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.model_runner import ModelRunner, PendingStep, SampledToken, allocate_kv_caches
+from ladle.worker.sampler import FAILED
 
 logger = logging.getLogger("ladle")
+
+# Steps in a row that fail for every request they hold before the engine gives up (and its process exits,
+# for the server's supervisor to restart): then the device or the model is broken, not a request.
+MAX_FAILED_STEPS_IN_A_ROW = 2
+
+
+class EngineStepError(RuntimeError):
+    """Steps keep failing for every request in them: the engine cannot serve."""
 
 
 @dataclass
@@ -72,9 +82,18 @@ class EngineCore:
                         "%.1f MiB)", cfg.max_cudagraph_capture_size, time.perf_counter() - start,
                         self.graph_memory_bytes / 2**20, cfg.plan.inputs.graph_bytes / 2**20)
         self.stats = EngineStats()
-        # A test hook run before each forward call (e.g. to inject an out-of-memory error).
-        self.before_execute: Callable[[SchedulerOutput], None] | None = None
+        self.executor = StepExecutor(self.runner, self.kv.block_tables, cfg.block_size, cfg.device, self.stats)
+        self._failed_steps_in_a_row = 0
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # a step launched before its inputs were read
+
+    @property
+    def before_execute(self) -> Callable[[SchedulerOutput], None] | None:
+        """A test hook run before each forward call (e.g. to inject an out-of-memory error)."""
+        return self.executor.before_execute
+
+    @before_execute.setter
+    def before_execute(self, hook: Callable[[SchedulerOutput], None] | None) -> None:
+        self.executor.before_execute = hook
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_token_ids:
@@ -131,9 +150,10 @@ class EngineCore:
                 return []
             pending = self._launch(sched) if self._can_defer() else None
             if pending is None:
-                sampled, sched, failed = self._execute(sched)
-                self._record(sched, (time.perf_counter() - start) * 1000)
-                return failed + self._update(sched, sampled)
+                result = self.executor.run(sched)
+                self._record(result.sched, (time.perf_counter() - start) * 1000)
+                failed = [self._end_with_error(f) for f in result.failures]
+                return self._check_health(sched, failed + self._update(result.sched, result.sampled))
         nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
         if nxt is not None:
             ahead = self._launch(nxt, pending.token_ids)
@@ -141,7 +161,7 @@ class EngineCore:
             self.stats.steps_ahead += ahead is not None
         sampled = pending.result()
         self._record(sched, (time.perf_counter() - start) * 1000)
-        return self._update(sched, sampled)
+        return self._check_health(sched, self._update(sched, sampled))
 
     def _can_defer(self) -> bool:
         # The OOM test hook wraps the synchronous path only.
@@ -158,41 +178,23 @@ class EngineCore:
                 torch.cuda.empty_cache()
             return None
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampledToken], SchedulerOutput, list[EngineCoreOutput]]:
-        """Run the step; on out-of-memory halve its tokens (not below one block) and run it again. The KV of
-        a retried step lands in the same slots, so nothing is lost and no output changes. Only when the
-        smallest step still fails do its requests end with an error; the others keep running."""
-        floor = self.config.block_size
-        while True:
-            try:
-                if self.before_execute is not None:
-                    self.before_execute(sched)
-                return self.runner.execute(sched, self.kv.block_tables), sched, []
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                if self.config.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                self.stats.oom_retries += 1
-                if sched.num_tokens > floor:
-                    budget = max(floor, sched.num_tokens // 2)
-                    logger.warning("out of memory in a step of %d tokens (%s); retrying it with %d tokens",
-                                   sched.num_tokens, type(e).__name__, budget)
-                    sched = sched.shrink(budget)
-                elif len(sched.scheduled) > 1:
-                    # At the smallest step, run one request alone, so only a request that fails alone is ended.
-                    logger.warning("out of memory in a step of %d tokens; retrying its first request alone",
-                                   sched.num_tokens)
-                    sched = replace(sched, scheduled=sched.scheduled[:1])
-                else:
-                    return {}, SchedulerOutput(), self._fail(sched, e)
+    def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:
+        req = self.scheduler.find(failure.request_id)
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.stats.requests_failed += 1
+        return EngineCoreOutput(failure.request_id, finish_reason="error", error=failure.message)
 
-    def _fail(self, sched: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput]:
-        outs = []
-        for s in sched.scheduled:
-            message = (f"out of memory even for a step of {sched.num_tokens} tokens ({type(error).__name__}); "
-                       f"request {s.request.request_id} was ended so the engine can keep serving")
-            logger.error(message)
-            self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR)
-            outs.append(EngineCoreOutput(s.request.request_id, finish_reason="error", error=message))
+    def _check_health(self, sched: SchedulerOutput, outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Count steps that failed for every request in them; raise when that happens too often in a row."""
+        failed = sum(o.finish_reason == "error" for o in outs)
+        if sched.scheduled and failed == len(sched.scheduled):
+            self._failed_steps_in_a_row += 1
+            if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise EngineStepError(f"{self._failed_steps_in_a_row} steps in a row failed for every request "
+                                      f"in them; the last: {outs[-1].error}")
+        elif sched.scheduled:
+            self._failed_steps_in_a_row = 0
         return outs
 
     def _record(self, sched: SchedulerOutput, ms: float) -> None:
@@ -220,6 +222,11 @@ class EngineCore:
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             tok = sampled.get(req.request_id)
             if tok is None:
+                continue
+            if tok.token_id == FAILED:
+                outs.append(self._end_with_error(RequestFailure(req.request_id, (
+                    f"request {req.request_id} could not be sampled: its next-token distribution is not finite "
+                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving"))))
                 continue
             self.stats.generation_tokens += 1
             req.append_output(tok.token_id, tok.logprobs)

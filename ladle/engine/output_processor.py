@@ -4,12 +4,15 @@ Stop strings are text, so they are found here, on the frontend, and the core is 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ladle.engine.core import EngineCoreOutput
 from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams
+
+logger = logging.getLogger("ladle")
 
 
 @dataclass
@@ -52,22 +55,15 @@ class OutputProcessor:
                 continue
             parent = self.parents[child.parent_id]
             comp = parent.outputs[child.index]
-            comp.token_ids.extend(co.new_token_ids)
-            if comp.logprobs is not None:
-                comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
-            # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
-            stop_str = child.detok.update(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
-            if stop_str is not None:
+            try:
+                self._apply(co, child, comp, parent, to_abort)
+            except Exception as e:  # noqa: BLE001 -- a detokenizer or stop-string error ends this child only
+                logger.error("detokenizing request %s failed; ending it", co.request_id, exc_info=e)
                 if co.finish_reason is None:
                     to_abort.append(co.request_id)
-                comp.finish_reason, comp.stop_reason = "stop", stop_str
-            elif co.finish_reason is not None:
-                comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
-                if co.error is not None:
-                    parent.error = co.error
-            if comp.finish_reason is not None:
-                child.detok.finish()
-                del self.children[co.request_id]
+                comp.finish_reason = "error"
+                parent.error = f"detokenizing request {co.request_id} failed ({type(e).__name__})"
+                self.children.pop(co.request_id, None)
             comp.text = child.detok.output_text
             touched[parent.request_id] = parent
         for rid, parent in touched.items():
@@ -75,3 +71,22 @@ class OutputProcessor:
                 parent.finished = True
                 del self.parents[rid]
         return list(touched.values()), to_abort
+
+    def _apply(self, co: EngineCoreOutput, child: _Child, comp: CompletionOutput, parent: RequestOutput,
+               to_abort: list[str]) -> None:
+        comp.token_ids.extend(co.new_token_ids)
+        if comp.logprobs is not None:
+            comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
+        # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
+        stop_str = child.detok.update(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
+        if stop_str is not None:
+            if co.finish_reason is None:
+                to_abort.append(co.request_id)
+            comp.finish_reason, comp.stop_reason = "stop", stop_str
+        elif co.finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
+            if co.error is not None:
+                parent.error = co.error
+        if comp.finish_reason is not None:
+            child.detok.finish()
+            del self.children[co.request_id]

@@ -28,6 +28,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
     generation_tokens: int = 0
     oom_retries: int = 0  # steps run again with half the tokens after running out of memory
+    isolation_retries: int = 0  # steps split in halves after an exception, to find the request that fails
+    requests_failed: int = 0  # requests ended with an error so the engine could keep serving the others
     steps_ahead: int = 0  # async scheduling: decode steps launched before their predecessor's tokens were read
     tokens_dropped: int = 0  # of their tokens, those for requests that stopped or were aborted meanwhile
     prefill_chunks: dict[str, list[int]] = field(default_factory=dict)  # request id -> chunk sizes, in order

@@ -59,7 +59,8 @@ class LLM:
             try:
                 reqs = self.engine.make_requests(rid, ids, params)
             except ValueError as e:
-                raise type(e)(f"prompt {i}: {e}") from e
+                e.args = (f"prompt {i}: {e}",)  # keeps the type and its fields (code, field)
+                raise
             pending.append((rid, text, ids, params, reqs))
         self._next_id += len(prompts)
         for rid, text, ids, params, reqs in pending:

@@ -39,7 +39,9 @@ class PendingStep:
 
     def __init__(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
         self.request_ids = request_ids
-        self.token_ids = token_ids  # [len(request_ids)] on the device, in request order: the next step's input
+        # [len(request_ids)] on the device, in request order: the next step's input. A FAILED row's request
+        # ends when this step is read, so its token in the step ahead is void; 0 keeps the embedding in range.
+        self.token_ids = token_ids.clamp_min(0)
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
         if token_ids.is_cuda:

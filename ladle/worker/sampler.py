@@ -2,6 +2,9 @@
 
 Pipeline per row: raw logprobs -> min_tokens -> repetition / frequency / presence penalties
 -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> multinomial draw.
+
+A row whose distribution is unusable (NaN logits, every token masked, or a sampling distribution that is not
+finite) gets the token id FAILED instead of an exception, so one request's bad row cannot fail the batch.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from ladle.outputs import Logprob
 from ladle.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+FAILED = -1  # the token id of a row that could not be sampled
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -28,8 +33,8 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]  # None where params.logprobs is None
+    token_ids: list[int]  # FAILED where the row could not be sampled
+    logprobs: list[dict[int, Logprob] | None]  # None where params.logprobs is None or the row failed
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -46,10 +51,12 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         token_ids = self.sample(logits, meta)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=self._logprobs(logits, token_ids, meta.params))
+        ids = token_ids.tolist()
+        logprobs = self._logprobs(logits, token_ids.clamp_min(0), meta.params)
+        return SamplerOutput(ids, [None if t == FAILED else lp for t, lp in zip(ids, logprobs)])
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Next token ids [rows] on the logits' device; no device-to-host sync."""
+        """Next token ids [rows] on the logits' device (FAILED for unusable rows); no device-to-host sync."""
         if logits.dim() != 2 or logits.shape[0] != len(meta.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(meta.params)} sampled rows")
         return self._sample(self._apply_constraints(logits, meta), meta)
@@ -107,7 +114,9 @@ class Sampler:
             rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
             # Repetition penalty (HF/vLLM) looks at prompt and output; the OpenAI-style ones at output only.
             seen = (out_counts > 0) | (_token_counts(prompts, vocab, dev) > 0)
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            # A tiny penalty can push a logit past float32's range; +inf would make the softmax NaN, so the
+            # boost stops at the largest float (-inf stays: a token penalized out of existence).
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x).clamp(max=_F32_MAX)
 
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
@@ -118,8 +127,11 @@ class Sampler:
     def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         params = meta.params
         greedy = [p.greedy for p in params]
+        # amax propagates NaN, and is -inf only when every token is masked: one reduction finds both.
+        row_max = x.amax(dim=-1)
+        failed = torch.isnan(row_max) | (row_max == _NEG_INF)
         if all(greedy):
-            return x.argmax(dim=-1)  # fast path: first max wins, like HF greedy
+            return x.argmax(dim=-1).masked_fill_(failed, FAILED)  # fast path: first max wins, like HF greedy
 
         out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
@@ -129,6 +141,15 @@ class Sampler:
         rand_rows = [i for i, g in enumerate(greedy) if not g]
         rand_x = x if not greedy_rows else x[rand_rows]
         probs = self._probs(rand_x.float(), [params[i] for i in rand_rows])
+        # E.g. an inf logit after a tiny repetition penalty makes the softmax NaN; multinomial would raise for
+        # the whole batch, so such a row draws from a placeholder and is marked failed instead.
+        mass = probs.sum(dim=-1)
+        unusable = ~torch.isfinite(mass) | (mass <= 0)
+        probs = probs.masked_fill(unusable[:, None], 1.0)
+        if greedy_rows:
+            failed[rand_rows] |= unusable
+        else:
+            failed |= unusable
 
         unseeded = [j for j, i in enumerate(rand_rows) if meta.generators[i] is None]
         if unseeded:
@@ -138,14 +159,14 @@ class Sampler:
             if gen is not None:
                 # A draw from the request's own generator on its own row keeps seeded output batch-independent.
                 out[i] = torch.multinomial(probs[j : j + 1], 1, generator=gen)[0, 0]
-        return out
+        return out.masked_fill_(failed, FAILED)
 
     @staticmethod
     def _probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, then top_k, top_p, min_p (HF warper order); returns unnormalized sampling weights."""
         vocab, dev = x.shape[1], x.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)[:, None]
-        x = x / temps
+        x = (x / temps).clamp(max=_F32_MAX)  # finite as above: huge logits over a small temperature
 
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]

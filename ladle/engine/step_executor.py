@@ -1,0 +1,116 @@
+"""Runs one scheduled step so that whatever goes wrong for one request ends that request only.
+
+- Out of memory: the step runs again with half its tokens (not below one block), then its first request
+  alone. The KV of a retried step lands in the same slots, so nothing is lost and no output changes.
+- Any other exception: the step is split in halves and each half runs, recursively, so only a request that
+  fails alone is ended; the others get the outputs they would have got without it.
+- Before any retry, seeded requests' generators are rewound, so their draws do not depend on the failure.
+
+A row the sampler cannot sample (NaN logits, say) is not an exception: it comes back as FAILED and the core
+ends that request (see EngineCore._update).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from ladle.engine.scheduler import ScheduledRequest, SchedulerOutput
+from ladle.engine.stats import EngineStats
+from ladle.worker.model_runner import ModelRunner, SampledToken
+
+logger = logging.getLogger("ladle")
+
+_OOM = (torch.OutOfMemoryError, MemoryError)
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    request_id: str
+    message: str  # for the client: no exception text (the log has it, under the request id)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    sched: SchedulerOutput = field(default_factory=SchedulerOutput)  # what ran: its requests advance
+    failures: list[RequestFailure] = field(default_factory=list)
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, block_tables: dict[str, list[int]], min_tokens: int,
+                 device: torch.device, stats: EngineStats) -> None:
+        self.runner = runner
+        self.block_tables = block_tables  # the KV manager's live dict: request id -> block ids
+        self.min_tokens = min_tokens  # an OOM retry never goes below this many tokens (one block)
+        self.device = device
+        self.stats = stats
+        # A test hook run before each forward call (e.g. to inject an error for one request).
+        self.before_execute: Callable[[SchedulerOutput], None] | None = None
+
+    def run(self, sched: SchedulerOutput) -> StepResult:
+        generators = [s.request.generator for s in sched.scheduled if s.request.generator is not None]
+        states = [g.get_state() for g in generators]
+        while True:
+            try:
+                if self.before_execute is not None:
+                    self.before_execute(sched)
+                return StepResult(self.runner.execute(sched, self.block_tables), sched)
+            except _OOM as e:
+                for g, state in zip(generators, states):
+                    g.set_state(state)
+                retry = self._after_oom(sched, e)
+                if retry is None:
+                    return StepResult(failures=[RequestFailure(
+                        s.request.request_id,
+                        f"out of memory even for a step of {sched.num_tokens} tokens ({type(e).__name__}); "
+                        f"request {s.request.request_id} was ended so the engine can keep serving")
+                        for s in sched.scheduled])
+                sched = retry
+            except Exception as e:  # noqa: BLE001 -- whatever it is, it must not take the batch down
+                for g, state in zip(generators, states):
+                    g.set_state(state)
+                return self._isolate(sched, e)
+
+    def _after_oom(self, sched: SchedulerOutput, error: BaseException) -> SchedulerOutput | None:
+        """The step to try next after an out-of-memory error, or None when even the smallest one failed."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.stats.oom_retries += 1
+        if sched.num_tokens > self.min_tokens:
+            budget = max(self.min_tokens, sched.num_tokens // 2)
+            logger.warning("out of memory in a step of %d tokens (%s); retrying it with %d tokens",
+                           sched.num_tokens, type(error).__name__, budget)
+            return sched.shrink(budget)
+        if len(sched.scheduled) > 1:
+            # At the smallest step, run one request alone, so only a request that fails alone is ended.
+            logger.warning("out of memory in a step of %d tokens; retrying its first request alone",
+                           sched.num_tokens)
+            return replace(sched, scheduled=sched.scheduled[:1])
+        logger.error("out of memory even for a step of %d tokens: ending request %s", sched.num_tokens,
+                     sched.scheduled[0].request.request_id)
+        return None
+
+    def _isolate(self, sched: SchedulerOutput, error: Exception) -> StepResult:
+        """Run each half of a step that raised; a request that raises alone is the one that fails."""
+        self.stats.isolation_retries += 1
+        if len(sched.scheduled) == 1:
+            return StepResult(failures=[self._failure(sched.scheduled[0], error)])
+        half = len(sched.scheduled) // 2
+        result = StepResult(sched=replace(sched, scheduled=[]))
+        for part in (sched.scheduled[:half], sched.scheduled[half:]):
+            sub = self.run(replace(sched, scheduled=part))
+            result.sampled.update(sub.sampled)
+            result.sched.scheduled.extend(sub.sched.scheduled)
+            result.failures.extend(sub.failures)
+        return result
+
+    @staticmethod
+    def _failure(s: ScheduledRequest, error: Exception) -> RequestFailure:
+        rid = s.request.request_id
+        logger.error("request %s fails alone in a step (%d tokens from position %d); ending it", rid,
+                     s.num_new_tokens, s.start_pos, exc_info=error)
+        return RequestFailure(rid, f"the engine failed running request {rid} ({type(error).__name__}); it was "
+                                   "ended so the engine can keep serving (the server log has the details)")
