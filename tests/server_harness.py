@@ -21,16 +21,21 @@ _LISTENING = re.compile(r"ladle: serving .* on http://127\.0\.0\.1:(\d+)/v1")
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, log_dir: Path, *flags: str) -> None:
+    def __init__(self, model_dir: str, log_dir: Path, *flags: str, api_key: str | None = None) -> None:
         self.cmd = [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir, "--host", "127.0.0.1",
                     "--port", "0", *flags]
         self.log_path = log_dir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen | None = None
         self.base_url = ""
+        self.api_key = api_key  # given to the server as LADLE_API_KEY, and sent by post()
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def start(self, timeout: float = 90.0, wait_healthy: bool = True) -> "ServerProcess":
         log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("LADLE_API_KEY", None)
+        if self.api_key:
+            env["LADLE_API_KEY"] = self.api_key
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env)
         log.close()
@@ -80,8 +85,14 @@ class ServerProcess:
     def post(self, path: str, body: Any = None, content: bytes | None = None, timeout: float = 60) -> httpx.Response:
         if content is not None:
             return httpx.post(self.base_url + path, content=content, timeout=timeout,
-                              headers={"content-type": "application/json"})
-        return httpx.post(self.base_url + path, json=body, timeout=timeout)
+                              headers={"content-type": "application/json", **self.headers})
+        return httpx.post(self.base_url + path, json=body, timeout=timeout, headers=self.headers)
+
+    def rss_mib(self) -> float:
+        """Resident memory of the API process (not the engine's)."""
+        assert self.proc is not None
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
     def engine_pid(self) -> int:
         return self.health()[1]["engine_pid"]

@@ -31,6 +31,10 @@ class EngineUnavailableError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The engine process died (or the server is stopping) while the request was in flight."""
 
+    def __init__(self, message: str, code: str = "engine_restarting") -> None:
+        super().__init__(message)
+        self.code = code
+
 
 @dataclass
 class RequestHandle:
@@ -54,6 +58,7 @@ class AsyncEngineClient:
         self._child_to_parent: dict[str, str] = {}
         self._pings: dict[int, asyncio.Future] = {}
         self._ping_ids = itertools.count()
+        self.closed = False  # shutting down: no new request is taken
 
     # ---- state, for /health and /metrics ----
     @property
@@ -91,13 +96,13 @@ class AsyncEngineClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.supervisor.stopping = True
-        self._fail_in_flight("the server is shutting down")
+        self.fail_in_flight("the server is shutting down", "server_shutting_down")
         await self.supervisor.stop(timeout)
 
     # ---- requests ----
     def _ready_engine(self) -> EngineProcess:
         proc = self.supervisor.current
-        if self.state is not EngineState.READY or proc is None or self.supervisor.stopping:
+        if self.state is not EngineState.READY or proc is None or self.supervisor.stopping or self.closed:
             raise self.unavailable_error()
         return proc
 
@@ -154,7 +159,7 @@ class AsyncEngineClient:
             self._pings.pop(ping_id, None)
 
     def unavailable_error(self) -> EngineUnavailableError:
-        if self.supervisor.stopping:
+        if self.supervisor.stopping or self.closed:
             return EngineUnavailableError("the server is shutting down", "server_shutting_down")
         if self.state is EngineState.FAILED:
             return EngineUnavailableError(f"the engine failed and will not be restarted: {self.failure_reason}",
@@ -204,11 +209,17 @@ class AsyncEngineClient:
             self.on_snapshot(proc.number, snap)
 
     def _on_dead(self, proc: EngineProcess) -> None:
-        self._fail_in_flight(f"{proc.exit_reason()}; the server is restarting it")
+        self.fail_in_flight(f"{proc.exit_reason()}; the server is restarting it")
         self._set_snapshot(proc, EngineSnapshot())
 
-    def _fail_in_flight(self, reason: str) -> None:
-        err = EngineDeadError(reason)
+    def fail_in_flight(self, reason: str, code: str = "engine_restarting") -> None:
+        """End every request in flight with this error, and abort them in the engine (a no-op when it died)."""
+        err = EngineDeadError(reason, code)
+        proc = self.supervisor.current
+        live = proc is not None and not proc.dead.is_set()
+        children = [c for h in self._requests.values() if live and h.generation == proc.number for c in h.unfinished]
+        if children:
+            proc.send(("abort", children))
         for handle in self._requests.values():
             if not handle.accepted.done():
                 handle.accepted.set_exception(err)

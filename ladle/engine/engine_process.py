@@ -135,6 +135,12 @@ class EngineLoop:
         except (ValueError, TypeError) as e:
             self.conn.send(("rejected", parent_id, "invalid_request", str(e)))
             return
+        except Exception as e:  # noqa: BLE001 -- a request the engine cannot make is refused, never fatal
+            logger.error("could not make request %s; refusing it", parent_id, exc_info=e)
+            self.conn.send(("rejected", parent_id, "internal_error",
+                            f"the engine could not take this request ({type(e).__name__}); the server log has "
+                            f"the details under request id {parent_id}"))
+            return
         added: list[str] = []
         try:
             for req in requests:

@@ -3,77 +3,86 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ladle.engine.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
-from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from ladle.entrypoints.edge import EdgeLimits, EdgeMiddleware, EdgeState
+from ladle.entrypoints.openai_protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
+    ModelCard, ModelList, OpenAIError,
+)
+from ladle.entrypoints.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
 from ladle.entrypoints.serving_chat import OpenAIServingChat
 from ladle.entrypoints.serving_completion import OpenAIServingCompletion
-from ladle.entrypoints.serving_engine import OpenAIError
+from ladle.entrypoints.serving_engine import ServingContext, internal_error
 
 logger = logging.getLogger("ladle.server")
 
 
 @dataclass
 class ServerState:
-    client: AsyncEngineClient
-    metrics: ServerMetrics
-    completion: OpenAIServingCompletion
-    chat: OpenAIServingChat
-    model_name: str
+    ctx: ServingContext
     model_path: str
+    edge_limits: EdgeLimits = field(default_factory=EdgeLimits)
+    edge: EdgeState = field(default_factory=EdgeState)
     health_timeout_s: float = 5.0
-    draining: bool = False
+
+    @property
+    def client(self) -> AsyncEngineClient:
+        return self.ctx.client
+
+    @property
+    def draining(self) -> bool:
+        return self.edge.draining
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The loc of a pydantic error without its union-member tags ('list[constrained-int]', 'str', ...)."""
+    return [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in ("body", "str", "int"))]
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return OpenAIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+    """One 400 naming the field. Of a union's errors, a broken constraint says more than a wrong type, and
+    the deepest says most; when every member only had the wrong type, say all of them."""
+    errors = list(exc.errors()) or [{}]
+    if errors[0].get("type") == "json_invalid":
+        return OpenAIError(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
                            code="invalid_json")
-    where = ".".join(loc) or "body"
-    return OpenAIError(400, f"{where}: {first.get('msg', 'invalid value')}", code="invalid_value",
-                       param=loc[0] if loc else None)
-
-
-class DrainMiddleware:
-    """Once SIGTERM arrived, new requests get 503 while the ones in flight finish."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["app"].state.server.draining:
-            err = OpenAIError(503, "the server is shutting down", code="server_shutting_down")
-            await JSONResponse(err.response().model_dump(), status_code=503)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+    first = max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"),
+                                       len(_field_path(e.get("loc", ())))))
+    path = _field_path(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if str(first.get("type", "")).endswith("_type"):
+        same = [e for e in errors if _field_path(e.get("loc", ())) == path]
+        msg = " or ".join(dict.fromkeys(str(e.get("msg")) for e in same))
+    return OpenAIError(400, f"{'.'.join(path) or 'body'}: {msg}", code="invalid_value",
+                       param=path[0] if path else None)
 
 
 def build_app(state: ServerState) -> FastAPI:
+    ctx = state.ctx
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.client.start()
+        ctx.client.start()
         yield
-        await state.client.shutdown()
+        await ctx.client.shutdown()
+        ctx.pool.shutdown()
 
     app = FastAPI(title="ladle", summary="OpenAI-compatible server over the ladle engine", lifespan=lifespan)
-    app.state.server = state
-    app.add_middleware(DrainMiddleware)
+    app.add_middleware(EdgeMiddleware, limits=state.edge_limits, state=state.edge)
+    keyed = state.edge_limits.api_key is not None
+    install_openapi(app, api_key=keyed)
 
-    def envelope(err: OpenAIError) -> JSONResponse:
-        return JSONResponse(err.response().model_dump(), status_code=err.status)
+    def envelope(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(err.response().model_dump(), status_code=err.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -85,55 +94,63 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return envelope(OpenAIError(exc.status_code, str(exc.detail), code=None))
+        # exc.headers carries e.g. the Allow header of a 405.
+        return envelope(OpenAIError(exc.status_code, str(exc.detail), code=None), headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
-        return envelope(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return envelope(internal_error(f"{request.method} {request.url.path} failed", exc))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != state.model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+        if name is not None and name != ctx.model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {ctx.model_name!r}",
                               code="model_not_found", param="model")
 
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
-        check_model(request.model)
-        return await state.completion.create_completion(request, raw_request)
+    completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+    @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse, keyed))
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         check_model(request.model)
-        return await state.chat.create_chat_completion(request, raw_request)
+        return await completion.create_completion(request, raw_request)
 
-    @app.get("/v1/models")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=generation_responses(ChatCompletionResponse, keyed))
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        check_model(request.model)
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models", responses=error_responses(*((401,) if keyed else ()), 500, 503))
     async def list_models() -> ModelList:
-        info = state.client.info
-        return ModelList(data=[ModelCard(id=state.model_name, root=state.model_path,
+        info = ctx.client.info
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=state.model_path,
                                          max_model_len=info.max_model_len if info else None)])
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse,
+             responses={503: {"model": HealthResponse, "description": "unhealthy or draining; the body says why"}})
     async def health() -> JSONResponse:
         """200 only when the engine process is up and answers a ping; the body says why when it is not."""
-        client = state.client
-        body: dict[str, Any] = {"engine_state": client.state.value, "engine_pid": client.engine_pid,
-                                "engine_restarts": client.num_restarts, "last_failure": client.failure_reason,
-                                "num_requests_in_flight": client.num_in_flight}
+        client = ctx.client
+        body = HealthResponse(status="ok", engine_state=client.state.value, engine_pid=client.engine_pid,
+                              engine_restarts=client.num_restarts, last_failure=client.failure_reason,
+                              num_requests_in_flight=client.num_in_flight)
+        if state.draining:
+            body.status, body.reason = "draining", "the server is shutting down"
+            return JSONResponse(body.model_dump(), status_code=503)
         try:
             snap = await client.ping(state.health_timeout_s)
         except EngineUnavailableError as e:
-            return JSONResponse({"status": "unhealthy", "reason": str(e), **body}, status_code=503)
-        body.update(num_requests_running=snap.num_running, num_requests_waiting=snap.num_waiting,
-                    kv_blocks_in_use=snap.kv_blocks_in_use, num_kv_blocks=snap.num_kv_blocks,
-                    kv_cache_usage=snap.kv_usage)
-        return JSONResponse({"status": "ok", **body})
+            body.status, body.reason = "unhealthy", str(e)
+            return JSONResponse(body.model_dump(), status_code=503)
+        body.num_requests_running, body.num_requests_waiting = snap.num_running, snap.num_waiting
+        body.kv_blocks_in_use, body.num_kv_blocks = snap.kv_blocks_in_use, snap.num_kv_blocks
+        body.kv_cache_usage = snap.kv_usage
+        return JSONResponse(body.model_dump())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         with contextlib.suppress(EngineUnavailableError):
-            await state.client.ping(1.0)  # fresh gauges; a busy or dead engine leaves the last ones
-        state.metrics.set_engine(state.client.state is EngineState.READY, state.client.num_restarts)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+            await ctx.client.ping(1.0)  # fresh gauges; a busy or dead engine leaves the last ones
+        ctx.metrics.set_engine(ctx.client.state is EngineState.READY, ctx.client.num_restarts)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

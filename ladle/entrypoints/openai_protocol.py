@@ -2,22 +2,56 @@
 
 Requests validate strictly (no "5" -> 5, no true -> 1): a wrong type is the client's bug and gets a 400 that
 names the field, rather than a guess. Unknown fields are ignored, as vLLM does, so newer clients still work.
+Floats must be finite and strings valid UTF-8 (JSON's escapes can spell a lone surrogate, which no tokenizer
+takes): a malformed request never reaches the engine.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Bounds OpenAI documents; the engine's SamplingParams checks again.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128  # one request may not fan out into more engine requests than this
 MAX_LOGPROBS = 20
+# The sampler computes in float32: a positive value below its smallest (2**-149) becomes 0, and one above
+# its largest becomes inf. Stated in the schema, so a client's validator knows before it asks.
+_F32_TINY, _F32_MAX = 2.0**-149, 3.4028234663852886e38
+
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid UTF-8: a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's upper bound is checked against the served model
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    """An error the server answers with OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> "ErrorResponse":
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -26,46 +60,46 @@ class StreamOptions(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
-    model: str | None = None  # None: the served model
+    model: Text | None = None  # None: the served model
     n: int | None = Field(None, ge=1, le=MAX_N)  # default 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     # null means the default, as in OpenAI's API (some clients send explicit nulls).
-    temperature: float | None = Field(None, ge=0.0)  # default 1.0
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=_F32_MAX)  # default 1.0
+    top_p: float | None = Field(None, ge=_F32_TINY, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=_F32_TINY, le=_F32_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: Text | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
 
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -202,3 +236,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """GET /health: 200 with status "ok" only when the engine process is up and answers a ping."""
+    status: Literal["ok", "unhealthy", "draining"]
+    reason: str | None = None
+    engine_state: str
+    engine_pid: int | None = None
+    engine_restarts: int = 0
+    last_failure: str | None = None
+    num_requests_in_flight: int = 0
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+    kv_blocks_in_use: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_usage: float | None = None

@@ -46,7 +46,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-hang-timeout", type=float, default=300.0,
                    help="an engine that answers no ping for this long is killed and restarted (default 300)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish (default 30)")
+                   help="on SIGTERM, seconds to let in-flight requests finish; the rest then end with a 503 "
+                        "(default 30)")
+    p.add_argument("--api-key", default=os.environ.get("LADLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $LADLE_API_KEY, "
+                        "else none); /health and /metrics stay open")
+    p.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
+                   help="answer 413 to a larger request body, before reading it (default 4 MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="prompts one /v1/completions request may batch (default 256)")
+    p.add_argument("--max-choices-per-request", type=int, default=512,
+                   help="prompts x n one request may ask for (default 512)")
     add_engine_flags(p)
 
 
@@ -71,16 +81,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ladle.config import EngineArgs
     from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli import ENGINE_KEYS, resolve_model
+    from ladle.entrypoints.edge import EdgeLimits
     from ladle.entrypoints.metrics import ServerMetrics
     from ladle.entrypoints.openai_app import ServerState, build_app
-    from ladle.entrypoints.serving_chat import OpenAIServingChat
-    from ladle.entrypoints.serving_completion import OpenAIServingCompletion
+    from ladle.entrypoints.serving_engine import ServingContext, ServingLimits
+    from ladle.entrypoints.tokenizer_pool import TokenizerPool
 
     _positive("--max-queue-len", args.max_queue_len, allow_none=True)
     _positive("--engine-max-failures", args.engine_max_failures)
     _positive("--engine-startup-timeout", args.engine_startup_timeout)
     _positive("--engine-hang-timeout", args.engine_hang_timeout)
     _positive("--shutdown-timeout", args.shutdown_timeout)
+    _positive("--max-request-body-bytes", args.max_request_body_bytes)
+    _positive("--max-prompts-per-request", args.max_prompts_per_request)
+    _positive("--max-choices-per-request", args.max_choices_per_request)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or LADLE_API_KEY) is empty; give a key or leave it unset")
     if args.engine_restart_backoff < 0:
         raise ValueError(f"--engine-restart-backoff must be >= 0, got {args.engine_restart_backoff}")
     model = resolve_model(args.model)
@@ -99,8 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
     )
     client = AsyncEngineClient(engine_args, explicit, supervision, log_level, on_snapshot=metrics.on_snapshot)
-    state = ServerState(client, metrics, OpenAIServingCompletion(client, tokenizer, metrics, name),
-                        OpenAIServingChat(client, tokenizer, metrics, name), name, model)
+    limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request)
+    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
+    state = ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
     app = build_app(state)
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -152,7 +169,7 @@ class DrainingServer(uvicorn.Server):
 
     def _on_signal(self, sig: int, frame: Any) -> None:
         if sig == signal.SIGTERM and not self.state.draining and self._loop is not None and self.started:
-            self.state.draining = True
+            self.state.edge.draining = True
             self._loop.call_soon_threadsafe(self._start_drain)
         elif self.should_exit:
             self.force_exit = True
@@ -163,15 +180,22 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        client = self.state.client
+        edge, client = self.state.edge, self.state.client
         logger.warning("SIGTERM: answering 503 to new requests; finishing %d in flight (up to %g s)",
-                       client.num_in_flight, self.drain_timeout_s)
+                       edge.in_flight, self.drain_timeout_s)
         deadline = time.monotonic() + self.drain_timeout_s
-        while client.num_in_flight and time.monotonic() < deadline:
+        while edge.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if client.num_in_flight:
-            logger.warning("%d requests still in flight after %g s; stopping anyway", client.num_in_flight,
+        if edge.in_flight:
+            logger.warning("%d requests still in flight after %g s; ending them with 503", edge.in_flight,
                            self.drain_timeout_s)
+            client.closed = True
+            client.fail_in_flight(f"the server is shutting down and this request did not finish within "
+                                  f"--shutdown-timeout ({self.drain_timeout_s:g} s)", "server_shutting_down")
+            # Let their responses (a 503 envelope, or an error event and [DONE]) be written before stopping.
+            flush_deadline = time.monotonic() + 5
+            while edge.in_flight and time.monotonic() < flush_deadline:
+                await asyncio.sleep(0.02)
         self.should_exit = True
 
     def fail(self, reason: str) -> None:

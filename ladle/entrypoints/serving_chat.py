@@ -7,48 +7,53 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from jinja2 import TemplateError
 
-from ladle.engine.async_client import AsyncEngineClient
-from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-    ChatResponseMessage, DeltaMessage, TopLogprob,
+    ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
 )
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, GenerationStream, OpenAIError, respond, sampling_params, sse, sse_error,
+    SSE_DONE, GenerationStream, ServingContext, respond, sampling_params, sse, sse_error,
 )
 from ladle.outputs import Logprob
 
 
-class OpenAIServingChat:
-    def __init__(self, client: AsyncEngineClient, tokenizer: Any, metrics: ServerMetrics, model_name: str) -> None:
-        self.client, self.tokenizer, self.metrics, self.model_name = client, tokenizer, metrics, model_name
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """Render with the tokenizer's chat template and encode without adding special tokens again, as the
+    offline LLM.chat does, so one conversation gives the same tokens on both paths. Runs on a tokenizer
+    thread."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise OpenAIError(400, f"the chat template could not render these messages: {e}",
+                          code="invalid_value", param="messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
+    return ids
 
-    def _prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        """Render with the tokenizer's chat template and encode without adding special tokens again, as the
-        offline LLM.chat does, so one conversation gives the same tokens on both paths."""
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:
-            m.setdefault("content", "")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
-            raise OpenAIError(400, f"the chat template could not render these messages: {e}",
-                              code="invalid_value", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
-        return ids
+
+class OpenAIServingChat:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
-        ids = self._prompt_ids(req)
+        self.ctx.check_choices(1, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self.ctx.vocab_size()  # 503 before any work while no engine is ready
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            m.setdefault("content", "")
+        chars = sum(len(m["content"]) if isinstance(m["content"], str) else sum(len(p["text"]) for p in m["content"])
+                    for m in messages)
+        ids = await self.ctx.pool.run(lambda tok: _prompt_ids(tok, messages, req.add_generation_prompt), chars)
+        self.ctx.check_prompt_length(len(ids), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, [ids], params)
+        ctx = self.ctx
+        stream = GenerationStream(ctx.client, ctx.tokenizer, ctx.metrics, request_id, [ids], params)
         await stream.start()
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -66,11 +71,11 @@ class OpenAIServingChat:
             )
             for c in stream.choices
         ]
-        return ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=choices,
                                       usage=stream.usage)
 
     def _chunk(self, stream: GenerationStream, choice: ChatCompletionResponseStreamChoice) -> str:
-        return sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.model_name,
+        return sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name,
                                                 choices=[choice]).model_dump_json())
 
     async def _stream(self, stream: GenerationStream, top_n: int, include_usage: bool) -> AsyncIterator[str]:
@@ -89,7 +94,7 @@ class OpenAIServingChat:
                         finish_reason=d.finish_reason, stop_reason=d.choice.stop_reason if d.finish_reason else None,
                     ))
             if include_usage:
-                yield sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[],
+                yield sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name, choices=[],
                                                        usage=stream.usage).model_dump_json())
         except OpenAIError as e:
             yield sse_error(e)

@@ -6,42 +6,48 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from ladle.engine.async_client import AsyncEngineClient
-from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
+    OpenAIError,
 )
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, OpenAIError, respond, sampling_params,
-    sse, sse_error,
+    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, ServingContext, respond, sampling_params, sse,
+    sse_error,
 )
+
+Prompt = str | list[int]
+
+
+def _batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    """A list of strings or of id lists is a batch; a string or one id list is one prompt."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise OpenAIError(400, "prompt is empty; give a string, a list of token ids, or a batch of either",
+                          code="invalid_value", param="prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _tokenize(tokenizer: Any, prompts: list[Prompt], vocab_size: int, echo: bool) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt (and its echo text); runs on a tokenizer thread, since a big prompt takes
+    seconds. The same encode call as the offline LLM."""
+    ids: list[list[int]] = []
+    for i, item in enumerate(prompts):
+        ids.append(tokenizer.encode(item) if isinstance(item, str) else list(item))
+        if not ids[-1]:
+            raise OpenAIError(400, f"prompt {i} is empty (no tokens)", code="invalid_value", param="prompt")
+        if not isinstance(item, str):
+            bad = next((t for t in item if t >= vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(400, f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                  code="invalid_value", param="prompt")
+    echoes = [(p if isinstance(p, str) else tokenizer.decode(i)) if echo else "" for p, i in zip(prompts, ids)]
+    return ids, echoes
 
 
 class OpenAIServingCompletion:
-    def __init__(self, client: AsyncEngineClient, tokenizer: Any, metrics: ServerMetrics, model_name: str) -> None:
-        self.client, self.tokenizer, self.metrics, self.model_name = client, tokenizer, metrics, model_name
-
-    def _prompts(self, req: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
-        """(texts, token ids) of each prompt; a list of strings or of id lists is a batch."""
-        p = req.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-            p = [p]
-        if not p:
-            raise OpenAIError(400, "prompt is empty; give a string, a list of token ids, or a batch of either",
-                              code="invalid_value", param="prompt")
-        texts: list[str | None] = []
-        ids: list[list[int]] = []
-        for item in p:
-            if isinstance(item, str):
-                texts.append(item)
-                ids.append(self.tokenizer.encode(item))  # the same call the offline LLM makes
-            else:
-                texts.append(None)
-                ids.append(list(item))
-            if not ids[-1]:
-                raise OpenAIError(400, f"prompt {len(ids) - 1} is empty (no tokens)", code="invalid_value",
-                                  param="prompt")
-        return texts, ids
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Any:
         if req.suffix is not None:
@@ -52,17 +58,24 @@ class OpenAIServingCompletion:
         if req.echo and req.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet",
                               code="unsupported_parameter", param="echo")
-        texts, ids = self._prompts(req)
+        prompts = _batch(req.prompt)
+        limit = self.ctx.limits.max_prompts_per_request
+        if len(prompts) > limit:
+            raise OpenAIError(400, f"{len(prompts)} prompts in one request; this server allows at most {limit} "
+                              "(--max-prompts-per-request)", code="invalid_value", param="prompt")
+        self.ctx.check_choices(len(prompts), req.n)
         params = sampling_params(req, req.max_tokens, req.logprobs)
+        vocab = self.ctx.vocab_size()
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        ids, echo = await self.ctx.pool.run(lambda tok: _tokenize(tok, prompts, vocab, req.echo), chars)
+        for p in ids:
+            self.ctx.check_prompt_length(len(p), "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = GenerationStream(self.client, self.tokenizer, self.metrics, request_id, ids, params)
+        ctx = self.ctx
+        stream = GenerationStream(ctx.client, ctx.tokenizer, ctx.metrics, request_id, ids, params)
         await stream.start()
-        echo = [self._echo_text(t, i) if req.echo else "" for t, i in zip(texts, ids)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(stream, self._stream(stream, echo, include_usage), lambda: self._collect(stream, echo), bool(req.stream), raw_request)
-
-    def _echo_text(self, text: str | None, ids: list[int]) -> str:
-        return text if text is not None else self.tokenizer.decode(ids)
 
     async def _collect(self, stream: GenerationStream, echo: list[str]) -> CompletionResponse:
         async for _ in stream.deltas():
@@ -74,7 +87,7 @@ class OpenAIServingCompletion:
             choices.append(CompletionResponseChoice(index=c.index, text=prefix + c.detok.output_text,
                                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason))
-        return CompletionResponse(id=stream.request_id, model=self.model_name, choices=choices, usage=stream.usage)
+        return CompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=choices, usage=stream.usage)
 
     async def _stream(self, stream: GenerationStream, echo: list[str], include_usage: bool) -> AsyncIterator[str]:
         offsets = [len(echo[c.prompt_index]) for c in stream.choices]  # chars of token text sent per choice
@@ -92,7 +105,7 @@ class OpenAIServingCompletion:
                         continue  # nothing to say yet (text held back for a stop string or a split character)
                     yield sse(self._chunk(stream, d.choice, d.text, logprobs, d).model_dump_json())
             if include_usage:
-                usage_chunk = CompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[],
+                usage_chunk = CompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name, choices=[],
                                                        usage=stream.usage)
                 yield sse(usage_chunk.model_dump_json())
         except OpenAIError as e:
@@ -106,7 +119,7 @@ class OpenAIServingCompletion:
         finish = delta.finish_reason if delta is not None else None
         choice = CompletionResponseChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=finish,
                                           stop_reason=c.stop_reason if finish else None)
-        return CompletionStreamResponse(id=stream.request_id, model=self.model_name, choices=[choice])
+        return CompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name, choices=[choice])
 
 
 def _logprobs(token_ids: list[int], logprobs: list[dict], offset: int) -> CompletionLogProbs:

@@ -3,7 +3,9 @@ API request from the engine process, detokenized incrementally on the API side."
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -14,28 +16,64 @@ from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, Engine
 from ladle.engine.core import EngineCoreOutput
 from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, UsageInfo
+from ladle.entrypoints.tokenizer_pool import TokenizerPool
 from ladle.outputs import Logprob
 from ladle.request import RequestRejected
-from ladle.sampling_params import SamplingParams
+from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 T = TypeVar("T")
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "service_unavailable_error"}
+logger = logging.getLogger("ladle.server")
 
 
-class OpenAIError(Exception):
-    """An error the server answers with OpenAI's envelope."""
+@dataclass(frozen=True)
+class ServingLimits:
+    """How much one API request may ask for (each choice is an engine request of its own)."""
+    max_prompts_per_request: int = 256
+    max_choices_per_request: int = 512  # prompts x n
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
 
-    def response(self) -> ErrorResponse:
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+@dataclass
+class ServingContext:
+    """What both OpenAI endpoints work with."""
+    client: AsyncEngineClient
+    tokenizer: Any  # decoding, on the event loop
+    pool: TokenizerPool  # encoding and chat templates, off it
+    metrics: ServerMetrics
+    model_name: str
+    limits: ServingLimits = field(default_factory=ServingLimits)
 
+    def vocab_size(self) -> int:
+        """The served model's vocabulary size; 503 while no engine is ready (no point tokenizing then)."""
+        info = self.client.info
+        if info is None:
+            err = self.client.unavailable_error()
+            raise OpenAIError(503, str(err), code=err.code)
+        return info.vocab_size
+
+    def check_prompt_length(self, num_tokens: int, param: str) -> None:
+        """A prompt longer than the context is refused here, so millions of token ids never cross to the
+        engine (which checks prompt + max_tokens exactly)."""
+        info = self.client.info
+        if info is not None and num_tokens >= info.max_model_len:
+            raise OpenAIError(400, f"prompt ({num_tokens} tokens) leaves no room to generate within "
+                              f"max_model_len={info.max_model_len}; shorten the prompt",
+                              code="context_length_exceeded", param=param)
+
+    def check_choices(self, num_prompts: int, n: int | None) -> None:
+        choices = num_prompts * (n or 1)
+        if choices > self.limits.max_choices_per_request:
+            raise OpenAIError(400, f"{num_prompts} prompt(s) x n={n or 1} asks for {choices} choices; this server "
+                              f"allows at most {self.limits.max_choices_per_request} per request "
+                              "(--max-choices-per-request)", code="invalid_value", param="n")
+
+
+def internal_error(what: str, error: BaseException) -> OpenAIError:
+    """A 500 that names no exception text: that goes to the log, under an id the client can quote."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    logger.error("%s (error id %s)", what, error_id, exc_info=error)
+    return OpenAIError(500, f"internal server error; the server log has the details under id {error_id}",
+                       code="internal_error")
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
@@ -63,6 +101,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
+    except InvalidSamplingParam as e:
+        raise OpenAIError(400, f"{e.field} {e.rule}, got {e.value!r}", code="invalid_value", param=e.field) from None
     except ValueError as e:
         raise OpenAIError(400, str(e), code="invalid_value") from None
 
@@ -119,11 +159,12 @@ class GenerationStream:
         try:
             self._handle = await self.client.add_request(self.request_id, children)
         except RequestRejected as e:
-            raise OpenAIError(429 if e.code == "queue_full" else 400, str(e), code=e.code) from None
+            status = {"queue_full": 429, "internal_error": 500}.get(e.code, 400)
+            raise OpenAIError(status, str(e), code=e.code) from None
         except EngineUnavailableError as e:
             raise OpenAIError(503, str(e), code=e.code) from None
         except EngineDeadError as e:
-            raise OpenAIError(503, str(e), code="engine_restarting") from None
+            raise OpenAIError(503, str(e), code=e.code) from None
 
     def abort(self, reason: str = "abort") -> None:
         """The client went away (or the response failed): free the engine's KV for the unfinished choices."""
@@ -152,8 +193,14 @@ class GenerationStream:
                 deltas = []
                 for item in items:
                     if isinstance(item, EngineDeadError):
-                        raise OpenAIError(503, str(item), code="engine_restarting")
-                    delta = self._apply(item)
+                        raise OpenAIError(503, str(item), code=item.code)
+                    try:
+                        delta = self._apply(item)
+                    except OpenAIError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 -- e.g. a detokenizer error: this request only
+                        raise internal_error(f"request {self.request_id}: processing engine output failed",
+                                             e) from None
                     if delta is not None:
                         deltas.append(delta)
                 if deltas:
@@ -226,8 +273,20 @@ async def respond(stream: GenerationStream, events: AsyncIterator[str], collect:
                   want_stream: bool, raw_request: Request) -> Response:
     """Stream SSE events, or collect the whole response unless the client hangs up first."""
     if want_stream:
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(_guarded(stream, events), media_type="text/event-stream")
     result = await run_unless_disconnected(collect, raw_request, stream.abort)
     if result is None:
         return Response(status_code=499)  # the client hung up; nobody reads this
     return JSONResponse(result.model_dump())
+
+
+async def _guarded(stream: GenerationStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, and if anything unexpected breaks them after the 200 went out, an error event and [DONE]
+    rather than a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 -- the headers are sent: an error event is all that is left
+        stream.abort("error")
+        yield sse_error(internal_error(f"request {stream.request_id}: streaming failed", e))
+        yield SSE_DONE

@@ -1,0 +1,114 @@
+"""What every HTTP request passes before the app sees it: the shutdown gate (503), the API key (401) and the
+body size limit (413), all answered in OpenAI's error envelope. It also counts the requests in flight, so a
+shutdown can wait for their responses to be written."""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ladle.entrypoints.openai_protocol import OpenAIError
+
+# Routes that stay open without a key and while draining: probes and scrapers must see the truth.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class EdgeLimits:
+    api_key: str | None = None
+    max_request_body_bytes: int = 4 * 2**20
+
+
+@dataclass
+class EdgeState:
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests inside the app, streams included
+
+
+async def send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = OpenAIError(status, message, code).response().model_dump_json().encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EdgeMiddleware:
+    def __init__(self, app: ASGIApp, limits: EdgeLimits, state: EdgeState) -> None:
+        self.app = app
+        self.limits = limits
+        self.state = state
+        self._key = limits.api_key.encode() if limits.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.state.draining and path not in OPEN_PATHS:
+            await send_error(send, 503, "the server is shutting down", "server_shutting_down")
+            return
+        if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
+            await send_error(send, 401, "a valid API key is required: send the header 'Authorization: Bearer "
+                             "<key>'", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.in_flight -= 1
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self._key is not None
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        # compare_digest takes the same time wherever the first difference is: no timing oracle on the key.
+        return hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None after answering 413: a declared length over the limit is refused before
+        any of it is read, a chunked body as soon as it passes the limit."""
+        limit = self.limits.max_request_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._too_large(send, int(value))
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None  # the client left before sending its request: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._too_large(send, size)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        await send_error(send, 413, f"the request body ({size} bytes or more) exceeds the server's limit of "
+                         f"{self.limits.max_request_body_bytes} bytes (--max-request-body-bytes)",
+                         "request_too_large", {"Connection": "close"})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app the body read already, then waits on the real one (for a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
