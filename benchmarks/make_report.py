@@ -277,7 +277,8 @@ def main() -> None:
         r = load(name)
         if r is not None:
             lines += section(r) + notes(name)
-    for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("host_overhead", None)):
+    for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("host_overhead", None),
+                        ("server_abuse", None)):
         path = RESULTS / f"{name}.md"
         if path.exists():
             body = path.read_text().rstrip()
