@@ -1,6 +1,19 @@
-"""ladle: LLM inference whose every prefill is split into memory-bounded chunks."""
-from ladle.entrypoints.llm import LLM
-from ladle.outputs import CompletionOutput, Logprob, RequestOutput
-from ladle.sampling_params import SamplingParams
+"""ladle: LLM inference whose every prefill is split into memory-bounded chunks.
+
+The public names load on first use, so that `import ladle.engine...` (the engine process, `ladle plan`) does
+not pay for the offline frontend's imports.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+_HOMES = {"LLM": "ladle.entrypoints.llm", "SamplingParams": "ladle.sampling_params",
+          "RequestOutput": "ladle.outputs", "CompletionOutput": "ladle.outputs", "Logprob": "ladle.outputs"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ladle' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -5,11 +5,15 @@ replaced an explicit --max-prefill-length and ran out of memory.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch loads only where a device is resolved: validating arguments must be instant
+    import torch
 
 logger = logging.getLogger("ladle")
 
@@ -39,6 +43,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None  # largest decode batch replayed from a graph; default 512
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
+    profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
     seed: int = 0
 
     @classmethod
@@ -54,6 +59,90 @@ class EngineArgs:
                 raise TypeError(f"engine argument {target!r} given twice (once as {name!r})")
             canon[target] = value
         return cls(**canon), frozenset(canon)
+
+    def validate(self) -> None:
+        """Every check that needs no model and no device (ranges, choices, rules between settings, the model
+        directory), so a typo costs the time of an import, not of loading and profiling."""
+        for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks",
+                     "max_cudagraph_capture_size"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("block_size", self.block_size)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed={self.seed!r} is not an integer")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"device={self.device!r}: choose auto, cpu, cuda or cuda:N")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("kv_cache_memory_bytes", "memory_budget"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), name)
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_kv_blocks and kv_cache_memory_bytes both size the KV pool; give one of them")
+        chunk, budget = self.max_prefill_length, self.max_num_batched_tokens
+        if chunk is not None and budget is not None and chunk > budget:
+            raise ValueError(f"max_prefill_length={chunk} exceeds max_num_batched_tokens={budget}: a chunk can "
+                             "never be larger than the step; lower max_prefill_length or raise the budget")
+        if self.max_cudagraph_capture_size is not None and self.enforce_eager:
+            raise ValueError("max_cudagraph_capture_size needs CUDA graphs, which enforce_eager disables; "
+                             "drop one of them")
+        check_model_dir(self.model, "model")
+        if self.tokenizer is not None:
+            check_model_dir(self.tokenizer, "tokenizer")
+        if self.max_model_len is not None:
+            # A peek at config.json; setup checks again with the parsed config (nested text configs too).
+            with open(os.path.join(self.model, "config.json")) as f:
+                model_max = json.load(f).get("max_position_embeddings")
+            if isinstance(model_max, int):
+                check_max_model_len(self.max_model_len, model_max)
+
+
+def check_max_model_len(max_model_len: int, model_max: int) -> None:
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{model_max}; set max_model_len <= {model_max}")
+
+
+def check_model_dir(path: str, name: str = "model") -> None:
+    """A local checkpoint directory with a config.json (tokenizers need only the directory)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{name} directory {path!r} does not exist; give a local HF checkpoint directory "
+                                "(no model hub is used)")
+    if name == "model" and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{name} directory {path!r} has no config.json; is it an HF checkpoint?")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, name: str = "a memory size") -> int:
+    """8589934592, '8GiB', '512 MiB', '1.5G' -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}: cannot read {value!r} as a size; write bytes or a number with KiB/MiB/GiB")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as a person reads them: 1.50 GiB, 37.2 MiB, 512 B."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 @dataclass(frozen=True)
@@ -95,6 +184,8 @@ class EngineConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -104,12 +195,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    import torch
+
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in table:
-        raise ValueError(f"--dtype {name!r}: choose one of auto, {', '.join(table)}")
-    return table[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provenance) -> int:
@@ -118,10 +208,8 @@ def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provena
     prov.put("enforce_eager", bool(args.enforce_eager))
     name, size = "max_cudagraph_capture_size", args.max_cudagraph_capture_size
     if size is not None:
-        positive_int(name, size)
-        if device.type != "cuda" or args.enforce_eager:
-            why = "enforce_eager disables" if args.enforce_eager else "exist on CUDA only"
-            raise ValueError(f"{name}={size} needs CUDA graphs, which {why}; drop {name}")
+        if device.type != "cuda":
+            raise ValueError(f"{name}={size} needs CUDA graphs, which exist on CUDA only; drop {name}")
         return prov.put(name, size)
     if device.type != "cuda" or args.enforce_eager:
         return prov.put(name, 0, "enforce_eager" if args.enforce_eager else f"no CUDA graphs on {device.type}")
@@ -154,19 +242,15 @@ class Provenance:
 
 
 def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, torch.dtype]:
-    """The settings that need no memory measurement, validated; returns the device and dtype."""
+    """The settings that need no memory measurement (validated first); returns the device and dtype."""
+    args.validate()
     device = resolve_device(args.device)
     prov.put("device", str(device), "" if "device" in prov.explicit else "cuda if available, else cpu")
     dtype = resolve_dtype(args.dtype, device)
     prov.put("dtype", str(dtype).removeprefix("torch."), "" if "dtype" in prov.explicit else f"auto on {device.type}")
-    for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks"):
-        if getattr(args, name) is not None:
-            positive_int(name, getattr(args, name))
-    prov.put("max_num_seqs", positive_int("max_num_seqs", args.max_num_seqs))
-    prov.put("block_size", positive_int("block_size", args.block_size))
+    prov.put("max_num_seqs", args.max_num_seqs)
+    prov.put("block_size", args.block_size)
     prov.put("enable_prefix_caching", bool(args.enable_prefix_caching))
-    if args.load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"load_format {args.load_format!r}: choose one of auto, safetensors, dummy")
     prov.put("load_format", args.load_format)
     prov.put("async_scheduling", bool(args.async_scheduling))
     prov.put("seed", args.seed)

@@ -4,11 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ladle.outputs import Logprob
 from ladle.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server's API process imports this module for RequestRejected, without torch
+    import torch
 
 
 class RequestStatus(enum.Enum):

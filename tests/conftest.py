@@ -42,6 +42,16 @@ def _load_hf(model_dir: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One activation-profile cache for the whole session (servers started by tests inherit it): each model
+    shape is profiled once, not once per engine. Fresh per session, so a run never trusts an old one."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("profiles")
+        mp.setenv("LADLE_PROFILE_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen3, tied embeddings, vocab 512, 2 layers, GQA 4/2 heads, head_dim 16, context 4096."""

@@ -21,9 +21,11 @@ _LISTENING = re.compile(r"ladle: serving .* on http://127\.0\.0\.1:(\d+)/v1")
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, log_dir: Path, *flags: str, api_key: str | None = None) -> None:
-        self.cmd = [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir, "--host", "127.0.0.1",
-                    "--port", "0", *flags]
+    def __init__(self, model_dir: str, log_dir: Path, *flags: str, api_key: str | None = None,
+                 command: list[str] | None = None) -> None:
+        # command: how to start it, e.g. ["ladle", "serve", DIR]; the module with --model by default.
+        start = command or [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir]
+        self.cmd = [*start, "--host", "127.0.0.1", "--port", "0", *flags]
         self.log_path = log_dir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen | None = None
         self.base_url = ""

@@ -10,7 +10,7 @@ import torch
 from ladle import LLM, SamplingParams
 from ladle.engine.core import EngineStepError
 from ladle.engine.output_processor import OutputProcessor
-from ladle.engine.core import EngineCoreOutput
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.sampling_params import InvalidSamplingParam
 from ladle.worker.sampler import FAILED, Sampler, SamplingMetadata
 

@@ -52,7 +52,7 @@ def test_cuda_graph_settings_on_cpu(tiny_qwen3_dir: str) -> None:
         LLM(tiny_qwen3_dir, max_cudagraph_capture_size=8)
     with pytest.raises(ValueError, match="must be a positive integer"):
         LLM(tiny_qwen3_dir, max_cudagraph_capture_size=0)
-    with pytest.raises(ValueError, match="load_format 'pt'"):
+    with pytest.raises(ValueError, match="load_format='pt'"):
         LLM(tiny_qwen3_dir, load_format="pt")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.engine.memory import measure_peak, parse_bytes
+from ladle.config import parse_bytes
+from ladle.engine.memory import measure_peak
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ActivationModel, profile_points
 from ladle.models.loader import kv_cache_shape_params

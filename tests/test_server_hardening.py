@@ -46,6 +46,7 @@ def test_the_api_key_guards_v1_and_leaves_probes_open(server):
     assert_error_envelope(r, 401, "invalid_api_key")
     assert httpx.get(url + "/v1/models", headers=server.headers).status_code == 200
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    assert "GET /v1/models" not in server.log()  # no access log unless --access-log
 
 
 HOSTILE = [  # (body, the field the 400 must name); each one crashed or 500ed an earlier server

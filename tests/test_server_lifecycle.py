@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -82,10 +85,43 @@ def test_supervisor_gives_up_after_failures_in_a_row_and_stays_up(tiny_qwen3_dir
         srv.kill()
 
 
-def test_a_setting_that_can_never_work_ends_the_server_with_the_reason(tiny_qwen3_dir, tmp_path):
-    srv = ServerProcess(tiny_qwen3_dir, tmp_path, "--max-model-len", "99999").start(wait_healthy=False)
+def test_a_first_start_that_fails_ends_the_server_after_one_try(tiny_qwen3_dir, tmp_path):
+    """A setting only the memory plan can refuse exits 2; a corrupt checkpoint exits 1; neither restarts."""
+    srv = ServerProcess(tiny_qwen3_dir, tmp_path, "--memory-budget", "64MiB", "--num-kv-blocks", "10000000"
+                        ).start(wait_healthy=False)
     try:
         assert srv.proc.wait(60) == 2
-        assert "max_model_len=99999 exceeds" in srv.log()
+        log = srv.log()
+        assert "error: --num-kv-blocks=10000000 does not fit" in log and "restarting" not in log, log
+        assert "Traceback" not in log
+    finally:
+        srv.kill()
+    model = shutil.copytree(tiny_qwen3_dir, tmp_path / "corrupt")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    srv = ServerProcess(str(model), tmp_path, "--num-kv-blocks", "64").start(wait_healthy=False)
+    try:
+        assert srv.proc.wait(60) == 1
+        log = srv.log()
+        assert "truncated or corrupt" in log and "restarting" not in log and "Traceback" not in log, log
+    finally:
+        srv.kill()
+
+
+def test_ladle_serve_model_as_vllm_serve_does(tiny_qwen3_dir, tmp_path):
+    """`ladle serve DIR` (positional), the served name is the directory's base name, the settings table is
+    logged at the default level, and --access-log logs each request."""
+    ladle = str(Path(sys.executable).parent / "ladle")
+    srv = ServerProcess(tiny_qwen3_dir, tmp_path, "--num-kv-blocks", "64", "--access-log",
+                        command=[ladle, "serve", tiny_qwen3_dir]).start()
+    try:
+        models = httpx.get(srv.base_url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [Path(tiny_qwen3_dir).name]
+        r = srv.post("/v1/completions", {"model": Path(tiny_qwen3_dir).name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        log = srv.log()
+        assert "resolved engine settings" in log and re.search(r"num_kv_blocks +64 +explicit", log), log
+        assert re.search(r'"GET /v1/models HTTP/1.1" 200', log), log
+        assert srv.stop() == 0, srv.log()
     finally:
         srv.kill()

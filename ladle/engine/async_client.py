@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ladle.config import EngineArgs
-from ladle.engine.core import EngineCoreOutput
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.engine_process import ChildSpec, EngineInfo, EngineSnapshot
 from ladle.engine.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
 from ladle.request import RequestRejected
@@ -87,10 +87,14 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
-    def set_on_fatal(self, callback: Callable[[str], None]) -> None:
+    def set_on_fatal(self, callback: Callable[[str, bool], None]) -> None:
         self.supervisor.on_fatal = callback
 
     # ---- lifecycle ----
+    def prestart(self) -> None:
+        """Start the engine process before the event loop (see EngineSupervisor.prestart)."""
+        self.supervisor.prestart()
+
     def start(self) -> None:
         self.supervisor.start()
 

@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from ladle.config import EngineArgs, EngineConfig
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.setup import load_and_plan
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
@@ -32,16 +33,6 @@ MAX_FAILED_STEPS_IN_A_ROW = 2
 
 class EngineStepError(RuntimeError):
     """Steps keep failing for every request in them: the engine cannot serve."""
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | None = None
-    error: str | None = None
 
 
 def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:

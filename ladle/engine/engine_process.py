@@ -176,11 +176,10 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
 
         core = EngineCore(args, explicit)
     except BaseException as e:  # noqa: BLE001 -- any load failure is reported to the supervisor, then exit
-        logger.error("engine startup failed:\n%s", traceback.format_exc())
-        # Bad settings or a missing checkpoint fail the same way every time: say so, so the first start can
-        # end the server with the message instead of retrying.
+        # The API process prints the one-line reason; the traceback is for --log-level DEBUG.
+        logger.debug("engine startup failed:\n%s", traceback.format_exc())
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
-        _send_quietly(conn, ("startup_failed", f"{type(e).__name__}: {e}", user_error))
+        _send_quietly(conn, ("startup_failed", str(e) if user_error else f"{type(e).__name__}: {e}", user_error))
         os._exit(1)
     cfg = core.config
     conn.send(("ready", EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,

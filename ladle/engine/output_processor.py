@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ladle.engine.core import EngineCoreOutput
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams

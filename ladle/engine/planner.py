@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ladle.config import format_bytes
 from ladle.engine.profiling import ActivationModel
 
 MiB = 2**20
@@ -59,6 +60,18 @@ class PlanInputs:
         while t >= step and not self.fits(t, max_model_len, kv_blocks):
             t -= step
         return t if t >= step else 0
+
+    def largest_fitting(self, below: int, max_model_len: int) -> int:
+        """The exact largest step size under `below` that fits (0 if none): a binary search over the whole
+        range, since a refused explicit value may be far above the cap derived values stop at."""
+        lo, hi = 0, below - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(mid, max_model_len):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def largest_model_len(self, tokens: int) -> int:
         """Largest context, in whole blocks, for which one request's KV fits beside a step of `tokens`."""
@@ -124,10 +137,10 @@ class MemoryPlan:
                 f"{self.activation_peak / MiB:.1f} MiB for the fullest step)")
 
 
-def _fail(flag: str, value: int, need: int, room: int, largest: int | str) -> ValueError:
+def _fail(flag: str, value: int | str, need: int, room: int, largest: int | str) -> ValueError:
     return ValueError(
-        f"{flag}={value} does not fit: it needs {need / MiB:.1f} MiB (weights + KV for one max_model_len "
-        f"request + activations + margin) but the memory budget is {room / MiB:.1f} MiB; the largest "
+        f"{flag}={value} does not fit: it needs {format_bytes(need)} (weights + KV for one max_model_len "
+        f"request + activations + margin) but the memory budget is {format_bytes(room)}; the largest "
         f"{flag} that fits is {largest}"
     )
 
@@ -141,9 +154,6 @@ def plan_memory(
     decision with its provenance (reason is used only for derived values) and returns the value.
     """
     budget_t, chunk_t = explicit.get("max_num_batched_tokens"), explicit.get("max_prefill_length")
-    if budget_t is not None and chunk_t is not None and chunk_t > budget_t:
-        raise ValueError(f"max_prefill_length={chunk_t} exceeds max_num_batched_tokens={budget_t}: a chunk "
-                         "can never be larger than the step; lower max_prefill_length or raise the budget")
     # The context is derived down only when even the smallest step leaves no room for it; an explicit step
     # too large beside the full context is refused below rather than silently shrinking the context.
     probe = STEP
@@ -162,7 +172,7 @@ def plan_memory(
                 raise ValueError(
                     f"the model does not fit: weights {inputs.weights / MiB:.1f} MiB + a step of {probe} tokens "
                     f"+ margin leave no room for KV in a {inputs.budget / MiB:.1f} MiB budget "
-                    f"({inputs.budget_reason}); raise --memory-budget or use a smaller model")
+                    f"({inputs.budget_reason}); raise memory_budget or use a smaller model")
             reason = (f"the model's {inputs.model_max_len}-token context does not fit in memory; "
                       f"{max_len} is the largest that does")
         put("max_model_len", max_len, reason)
@@ -171,12 +181,12 @@ def plan_memory(
     if budget_t is not None:
         if not inputs.fits(budget_t, max_len):
             raise _fail("max_num_batched_tokens", budget_t, inputs.need(budget_t, max_len), inputs.budget,
-                        inputs.largest_tokens(max_len, step=1))
+                        inputs.largest_fitting(budget_t, max_len))
         tokens = put("max_num_batched_tokens", budget_t, "")
     else:
         if chunk_t is not None and not inputs.fits(chunk_t, max_len):
             raise _fail("max_prefill_length", chunk_t, inputs.need(chunk_t, max_len), inputs.budget,
-                        inputs.largest_tokens(max_len, step=1))
+                        inputs.largest_fitting(chunk_t, max_len))
         tokens = max(largest, chunk_t or 0)
         put("max_num_batched_tokens", tokens,
             f"largest multiple of {STEP} (at most {MAX_DERIVED_TOKENS}) whose step peak fits beside one "
@@ -194,8 +204,8 @@ def plan_memory(
     elif "kv_cache_memory_bytes" in explicit:
         kv_bytes = explicit["kv_cache_memory_bytes"]
         if kv_bytes // inputs.block_bytes > most:
-            raise _fail("kv_cache_memory_bytes", kv_bytes, fixed + kv_bytes, inputs.budget,
-                        most * inputs.block_bytes)
+            raise _fail("kv_cache_memory_bytes", format_bytes(kv_bytes), fixed + kv_bytes, inputs.budget,
+                        format_bytes(most * inputs.block_bytes))
         blocks = put("num_kv_blocks", kv_bytes // inputs.block_bytes, "kv_cache_memory_bytes / bytes per block")
     else:
         blocks, why = most, "what the budget leaves after weights, the step's activation peak and margin"

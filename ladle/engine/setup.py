@@ -4,18 +4,19 @@ The same path serves the engine and `ladle plan`, so the plan printed is the pla
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from ladle.config import EngineArgs, EngineConfig, Provenance, resolve_basics, resolve_cudagraph_size
-from ladle.engine.memory import device_budget, free_memory_bytes, parse_bytes, total_memory_bytes
+from ladle.config import (
+    EngineArgs, EngineConfig, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
+    resolve_cudagraph_size,
+)
+from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_bytes
+from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
-from ladle.engine.profiling import fit_activation_model, profile_points
-from ladle.models.loader import kv_cache_shape_params, load_model
-
-logger = logging.getLogger("ladle")
+from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
+from ladle.models.loader import kv_cache_shape_params as kv_shape_of, load_config, load_model
 
 
 @dataclass
@@ -31,6 +32,28 @@ def profile_token_counts(max_len: int) -> list[int]:
     return sorted({min(t, max_len) for t in (64, 512, 2048)})
 
 
+def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: object,
+                        dtype: torch.dtype, device: torch.device, context: int) -> list[ProfilePoint]:
+    """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
+    now and stored for the next start."""
+    token_counts = profile_token_counts(context)
+    rows = sorted({min(r, args.max_num_seqs) for r in (16, 64, 128)})
+    key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
+                                    token_counts=token_counts, rows=rows)
+    use_cache = prov.put("profile_cache", bool(args.profile_cache))
+    cached = profile_cache.load(key) if use_cache else None
+    if cached is not None:
+        prov.put("activation_profile", "cached", f"from {profile_cache.cache_dir() / key}.json")
+        return cached
+    points = profile_points(model, kv_shape_of(hf_config), dtype, device, args.block_size, hf_config.vocab_size,
+                            token_counts, context, rows)
+    stored = profile_cache.store(key, points)
+    why = "no cache entry for this model, dtype, device and code" if use_cache else "profile_cache is off"
+    prov.put("activation_profile", "measured",
+             f"profiled at startup ({why})" + (f"; stored for the next start" if stored else ""))
+    return points
+
+
 def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     prov = Provenance(explicit)
     device, dtype = resolve_basics(args, prov)
@@ -42,25 +65,21 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
     graph_batch = resolve_cudagraph_size(args, device, prov)
-    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed)
+    hf_config = load_config(args.model)
+    model_max = hf_config.max_position_embeddings
+    if args.max_model_len is not None:
+        check_max_model_len(args.max_model_len, model_max)
+    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if weights >= budget:
-        raise ValueError(f"the weights ({weights / 2**20:.1f} MiB) do not fit in the memory budget "
-                         f"({budget / 2**20:.1f} MiB, {budget_reason}); raise --memory-budget")
-    model_max = hf_config.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > model_max:
-        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
-                         f"{model_max}; set max_model_len <= {model_max}")
-    kv_shape = kv_cache_shape_params(hf_config)
-    num_layers, num_kv_heads, head_dim = kv_shape
+        raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
+                         f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
+    num_layers, num_kv_heads, head_dim = kv_shape_of(hf_config)
     kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     context = args.max_model_len or model_max
-    rows = sorted({min(r, args.max_num_seqs) for r in (16, 64, 128)})
-    points = profile_points(model, kv_shape, dtype, device, args.block_size, hf_config.vocab_size,
-                            profile_token_counts(context), context, rows)
+    points = _activation_profile(args, prov, model, hf_config, dtype, device, context)
     activation = fit_activation_model(points, args.max_num_seqs)
-    logger.info("activation model: %s", activation.describe())
 
     # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
     # (it also counts sampling, which runs outside the graph).

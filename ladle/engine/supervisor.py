@@ -111,7 +111,8 @@ class EngineSupervisor:
                  ping: Callable[[float], Awaitable[Any]]) -> None:
         self.args, self.explicit, self.config, self.log_level = args, explicit, config, log_level
         self._on_engine_message, self._on_engine_dead, self._ping = on_message, on_dead, ping
-        self.on_fatal: Callable[[str], None] | None = None  # the first engine cannot start (user's input)
+        # The first engine cannot start: (reason, whether the user's input is at fault).
+        self.on_fatal: Callable[[str, bool], None] | None = None
         self.state = EngineState.STARTING
         self.current: EngineProcess | None = None
         self.failure_reason: str | None = None  # why the last engine died (kept for /health)
@@ -119,6 +120,7 @@ class EngineSupervisor:
         self.stopping = False
         self._task: asyncio.Task | None = None
         self._numbers = itertools.count(1)
+        self._early: tuple[Any, Any] | None = None  # a process started before the event loop (prestart)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ladle-engine-supervisor")
@@ -154,11 +156,13 @@ class EngineSupervisor:
                 if self.stopping:
                     return
                 self.failure_reason = proc.exit_reason()
-                if proc.number == 1 and not ready and proc.user_error:
+                if proc.number == 1 and not ready:
+                    # The first start failing is a configuration error (or a broken checkpoint): retrying
+                    # cannot fix it, so the server ends with the reason instead of restarting.
                     self.state = EngineState.FAILED
-                    logger.error("the engine cannot start: %s", proc.error)
+                    logger.error("the engine cannot start: %s", proc.error or self.failure_reason)
                     if self.on_fatal is not None:
-                        self.on_fatal(proc.error or self.failure_reason)
+                        self.on_fatal(proc.error or self.failure_reason, proc.user_error)
                     return
                 uptime = time.monotonic() - proc.ready_at if proc.ready_at is not None else 0.0
                 if ready and uptime >= self.config.stable_uptime_s:
@@ -181,14 +185,24 @@ class EngineSupervisor:
             return 0.0
         return min(self.config.restart_backoff_s * 2 ** (streak - 2), self.config.max_backoff_s)
 
-    async def _spawn(self) -> EngineProcess:
+    def prestart(self) -> None:
+        """Start the first engine process now, before the event loop runs, so it imports and loads while the
+        API process is still importing; the supervisor adopts it as its first generation."""
+        self._early = self._start_process()
+
+    def _start_process(self) -> tuple[Any, Any]:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited locks, CUDA-safe
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(target=run_engine_process, name="ladle-engine", daemon=True,
                               args=(self.args, self.explicit, child_conn, self.config.max_queue_len,
                                     self.log_level))
-        await asyncio.to_thread(process.start)
+        process.start()
         child_conn.close()  # else our copy keeps the pipe open and the child's death never reads as EOF
+        return process, parent_conn
+
+    async def _spawn(self) -> EngineProcess:
+        early, self._early = self._early, None
+        process, parent_conn = early if early is not None else await asyncio.to_thread(self._start_process)
         proc = EngineProcess(next(self._numbers), process, parent_conn)
         self.current = proc
         loop = asyncio.get_running_loop()

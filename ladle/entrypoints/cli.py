@@ -4,13 +4,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from ladle.sampling_params import SamplingParams
+from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A mistake in the command (a value, a path) exits 2, as argparse does; a failure while running exits 1.
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+# SamplingParams fields as `ladle generate` spells them.
+GENERATE_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-new-tokens", "seed": "--sampling-seed"}
 
 
 def default_model_dir() -> Path:
@@ -45,14 +52,45 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="launch a decode step whose successor is certain before reading its tokens")
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
                    help="dummy: random weights from config.json alone, for benchmarks")
+    p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
+                   help="reuse the activation profile stored by an earlier start of the same model, dtype, "
+                        "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
     p.add_argument("--seed", type=int, default=S)
+
+
+def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default, metavar="LEVEL",
+                   help="DEBUG | INFO | WARNING | ERROR | CRITICAL; DEBUG adds one line per prefill chunk and "
+                        "the traceback of an error")
 
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
                "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
                "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
-               "async_scheduling",
-               "load_format", "seed")
+               "async_scheduling", "load_format", "profile_cache", "seed")
+
+_SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
+    [k for k in ENGINE_KEYS if "_" in k] + ["long_prefill_token_threshold", "num_gpu_blocks_override"],
+    key=len, reverse=True)) + r")\b")
+
+
+def flag_spelling(message: str, extra: dict[str, str] | None = None) -> str:
+    """Setting names in a message, spelled as the flags a user types (max_num_batched_tokens=0 ->
+    --max-num-batched-tokens=0); `extra` maps more names (a sampling field to its generate flag)."""
+    message = _SETTING.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    message = re.sub(r"(?<![\w.-])(device|dtype|seed)(?==)", r"--\1", message)  # plain words only as name=value
+    for name, flag in (extra or {}).items():
+        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
+    return message
+
+
+def report_error(error: BaseException, debug: bool, extra: dict[str, str] | None = None) -> int:
+    """One line on stderr (the traceback too at DEBUG); returns the exit code: 2 for a usage mistake, 1 for a
+    failure while running."""
+    if debug:
+        traceback.print_exception(error)
+    print(f"error: {flag_spelling(str(error), extra)}", file=sys.stderr)
+    return 2 if isinstance(error, USAGE_ERRORS) else 1
 
 
 def resolve_model(model: str | None) -> str:
@@ -69,23 +107,51 @@ def resolve_model(model: str | None) -> str:
     return str(path)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from ladle.entrypoints.llm import LLM
+def sampling_from_flags(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                              ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    except InvalidSamplingParam as e:
+        flag = GENERATE_FLAGS.get(e.field, e.field)
+        raise ValueError(f"{flag} {e.rule}, got {e.value!r}") from None
 
+
+def engine_args_from_flags(args: argparse.Namespace, model: str | None) -> tuple:
+    """EngineArgs and the names typed, validated: a bad value fails here, before anything loads."""
+    from ladle.config import EngineArgs
+
+    kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    if getattr(args, "tokenizer", None) is not None:
+        kwargs["tokenizer"] = args.tokenizer
+    engine_args, explicit = EngineArgs.from_kwargs(model=resolve_model(model), **kwargs)
+    engine_args.validate()
+    return engine_args, explicit
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     for f in args.prompt_file or []:
-        prompts.append(Path(f).read_text())
+        try:
+            prompts.append(Path(f).read_text())
+        except OSError as e:
+            raise FileNotFoundError(f"--prompt-file {f}: {e.strerror or e}") from None
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     if args.batch_size is not None:
         if args.batch_size < len(prompts):
             raise ValueError(f"--batch-size {args.batch_size} is smaller than the {len(prompts)} prompts given")
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
-    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
-    llm = LLM(resolve_model(args.model), **engine_kwargs)
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_from_flags(args)
+    prompts = read_prompts(args)
+    engine_args, explicit = engine_args_from_flags(args, args.model)
+    from ladle.entrypoints.llm import LLM
+
+    llm = LLM.from_engine_args(engine_args, explicit)
     print(llm.config.report(), file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                            ignore_eos=args.ignore_eos, seed=args.sampling_seed)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start
@@ -106,11 +172,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ladle.config import EngineArgs
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
+    engine_args, explicit = engine_args_from_flags(args, args.model)
     from ladle.engine.setup import load_and_plan
 
-    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
-    engine_args, explicit = EngineArgs.from_kwargs(model=resolve_model(args.model), **engine_kwargs)
     config = load_and_plan(engine_args, explicit).config
     print(config.report())
     if args.prompt_tokens is not None:
@@ -128,7 +194,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladle", description="LLM inference with memory-bounded chunked prefill")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG shows one line per prefill chunk")
+    add_log_level(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline batch generation")
@@ -162,17 +228,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights")
     demo.add_argument("dir")
     demo.set_defaults(func=cmd_demo_model)
+    for command, p in sub.choices.items():
+        # --log-level after the subcommand too (vLLM style); serve logs its settings table at INFO.
+        add_log_level(p, argparse.SUPPRESS)
+        p.set_defaults(default_log_level="INFO" if command == "serve" else "WARNING")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or args.default_log_level
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ladle").setLevel(level)  # also when the root logger was configured before (tests)
+    args.log_level = level
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 -- every mistake ends as one line and an exit code
+        return report_error(e, level == "DEBUG", GENERATE_FLAGS if args.command == "generate" else None)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Offline batch generation, shaped like vLLM's LLM: every prompt goes through the one engine core."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
+from ladle.config import EngineArgs
 from ladle.engine.llm_engine import LLMEngine, PromptType
 from ladle.engine.stats import EngineStats
 from ladle.outputs import RequestOutput
@@ -17,7 +19,17 @@ class LLM:
     """LLM(model=DIR, **engine_args); the engine args are those of ladle.config.EngineArgs."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_kwargs(model=model, **engine_args)
+        self._start(LLMEngine.from_kwargs(model=model, **engine_args))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, explicit: frozenset[str]) -> "LLM":
+        """From EngineArgs already built (and validated), e.g. by the command line."""
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine(args, explicit))
+        return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self._next_id = 0
 
     @property
@@ -35,9 +47,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt. All prompts are checked before any work starts: if one can never fit
+        """Generate for every prompt (use_tqdm: show a progress bar, or a tqdm factory to make it).
+        All prompts are checked before any work starts: if one can never fit
         (prompt + max_tokens > max_model_len, or more KV than the whole pool), the call raises ValueError
         naming that prompt and runs nothing."""
         if isinstance(prompts, (str, dict)):
@@ -73,7 +86,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
@@ -88,13 +101,25 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        """Step until every request is done. The bar counts finished prompts and, after every step, the
+        prompt and output tokens per second so far, so a long prefill visibly moves (vLLM's format)."""
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        stats, start = self.stats, time.perf_counter()
+        prompt0, output0 = stats.prompt_tokens, stats.generation_tokens
         while self.engine.has_unfinished_requests():
+            done = 0
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-                    bar.update(1)
+                    done += 1
+            if use_tqdm:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"est. speed input: {(stats.prompt_tokens - prompt0) / elapsed:.2f} toks/s, "
+                                    f"output: {(stats.generation_tokens - output0) / elapsed:.2f} toks/s",
+                                    refresh=False)
+                bar.update(done)  # refreshes at most every mininterval, with or without a finished prompt
         bar.close()
         return [finished[rid] for rid in request_ids]

@@ -30,11 +30,15 @@ logger = logging.getLogger("ladle.server")
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ladle.entrypoints.cli import add_engine_flags
 
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF checkpoint dir, as in `vllm serve MODEL` (or --model)")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's base name)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 429 when this many requests are already waiting (default: unbounded)")
     p.add_argument("--engine-max-failures", type=int, default=5,
@@ -76,17 +80,52 @@ def _positive(name: str, value: float | int | None, allow_none: bool = False) ->
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
+    from ladle.entrypoints.cli import engine_args_from_flags
+    from ladle.entrypoints.metrics import ServerMetrics
+
+    _check_serve_flags(args)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+    engine_args, explicit = engine_args_from_flags(args, args.model_tag or args.model)
+    model = engine_args.model
+    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    sock = _listen(args.host, args.port)  # a port in use fails now, before anything loads
+    metrics = ServerMetrics(name)
+    supervision = SupervisorConfig(
+        max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
+        startup_timeout_s=args.engine_startup_timeout, hang_timeout_s=args.engine_hang_timeout,
+        max_queue_len=args.max_queue_len,
+    )
+    client = AsyncEngineClient(engine_args, explicit, supervision, args.log_level, on_snapshot=metrics.on_snapshot)
+    client.prestart()  # the engine imports and loads while this process imports the server's libraries
+
     from transformers import AutoTokenizer
 
-    from ladle.config import EngineArgs
-    from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
-    from ladle.entrypoints.cli import ENGINE_KEYS, resolve_model
     from ladle.entrypoints.edge import EdgeLimits
-    from ladle.entrypoints.metrics import ServerMetrics
     from ladle.entrypoints.openai_app import ServerState, build_app
     from ladle.entrypoints.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.tokenizer_pool import TokenizerPool
 
+    tokenizer = AutoTokenizer.from_pretrained(engine_args.tokenizer or model)
+    limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request)
+    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
+    state = ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
+    verbose = args.access_log or args.log_level == "DEBUG"
+    config = uvicorn.Config(build_app(state), log_level="info" if verbose else "warning",
+                            access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(config, state, args.shutdown_timeout)
+    client.set_on_fatal(server.fail)
+    host, port = sock.getsockname()[:2]
+    print(f"ladle: serving {name!r} on http://{args.host}:{port}/v1 (pid {os.getpid()}); "
+          f"GET /health turns 200 once the engine has loaded", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    if server.error is not None:
+        raise server.error
+    return 0
+
+
+def _check_serve_flags(args: argparse.Namespace) -> None:
     _positive("--max-queue-len", args.max_queue_len, allow_none=True)
     _positive("--engine-max-failures", args.engine_max_failures)
     _positive("--engine-startup-timeout", args.engine_startup_timeout)
@@ -99,43 +138,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--api-key (or LADLE_API_KEY) is empty; give a key or leave it unset")
     if args.engine_restart_backoff < 0:
         raise ValueError(f"--engine-restart-backoff must be >= 0, got {args.engine_restart_backoff}")
-    model = resolve_model(args.model)
-    engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
-    if args.tokenizer is not None:
-        engine_kwargs["tokenizer"] = args.tokenizer
-    engine_args, explicit = EngineArgs.from_kwargs(model=model, **engine_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(engine_args.tokenizer or model)
-    name = args.served_model_name or model
-    log_level = getattr(args, "log_level", "WARNING")
 
-    metrics = ServerMetrics(name)
-    supervision = SupervisorConfig(
-        max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
-        startup_timeout_s=args.engine_startup_timeout, hang_timeout_s=args.engine_hang_timeout,
-        max_queue_len=args.max_queue_len,
-    )
-    client = AsyncEngineClient(engine_args, explicit, supervision, log_level, on_snapshot=metrics.on_snapshot)
-    limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request)
-    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
-    state = ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
-    app = build_app(state)
 
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="info" if log_level.upper() == "DEBUG" else "warning",
-                            access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(config, state, args.shutdown_timeout)
-    client.set_on_fatal(server.fail)
-    print(f"ladle: serving {name!r} on http://{args.host}:{port}/v1 (pid {os.getpid()}); "
-          f"GET /health turns 200 once the engine has loaded", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
-    if server.error is not None:
-        print(f"error: {server.error}", file=sys.stderr)
-        return 2
-    return 0
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port (0 picks a free "
+                      "one)") from None
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -146,7 +161,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
-        self.error: str | None = None
+        self.error: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -198,24 +213,28 @@ class DrainingServer(uvicorn.Server):
                 await asyncio.sleep(0.02)
         self.should_exit = True
 
-    def fail(self, reason: str) -> None:
-        """The engine can never start with these settings: stop the server and exit 2 with the reason."""
-        self.error = reason
+    def fail(self, reason: str, user_error: bool) -> None:
+        """The first engine could not start: stop the server; cmd_serve raises the reason (exit 2 for a bad
+        setting or checkpoint path, 1 for anything else)."""
+        self.error = ValueError(reason) if user_error else RuntimeError(reason)
         self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ladle.entrypoints.cli import add_log_level, report_error
+
     parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.server",
                                      description="OpenAI-compatible server over the ladle engine")
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser, "INFO")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return cmd_serve(args)
-    except (ValueError, TypeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line and an exit code, as `ladle serve`
+        return report_error(e, args.log_level == "DEBUG")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
-from ladle.engine.core import EngineCoreOutput
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, UsageInfo

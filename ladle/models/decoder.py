@@ -20,7 +20,12 @@ class DecoderModel(nn.Module):
         layer_types = getattr(config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"only full attention is supported; config has layer_types {sorted(set(layer_types))}")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built on the meta device by the loader; nn.Embedding's own init (normal_) on a meta tensor imports
+        # torch._dynamo, 2-4 s of every start, so a meta weight skips it (a real one is initialised as usual).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)

@@ -12,6 +12,11 @@ from ladle.models.layers import RotaryEmbedding, head_dim_of
 from ladle.models.registry import model_class_for
 
 _SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint's files exist but cannot be read."""
+
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -34,24 +39,40 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"the weights file {path} is truncated or corrupt ({e}); copy or export the "
+                                  "checkpoint again") from None
 
 
-def load_model(
-    model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
-) -> tuple[nn.Module, Any]:
-    """Build the model for model_dir's config on device in dtype and load its safetensors weights, or, with
-    load_format="dummy", fill it with random weights (model_dir then needs only config.json)."""
+def load_config(model_dir: str) -> Any:
+    """The checkpoint's HF config, checked to name an architecture ladle implements."""
     from transformers import AutoConfig
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist (only local checkpoints are loaded)")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the config of {model_dir!r}: {str(e).splitlines()[0]}") from None
+    model_class_for(config)
+    return config
+
+
+def load_model(
+    model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
+    config: Any = None,
+) -> tuple[nn.Module, Any]:
+    """Build the model for model_dir's config (read here unless given) on device in dtype and load its
+    safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
+    config.json)."""
+    config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
     device = torch.device(device)
@@ -59,7 +80,7 @@ def load_model(
     # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
     with torch.device("meta"):
         model = model_cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    _materialize(model, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32
@@ -76,6 +97,25 @@ def load_model(
         raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
     model.requires_grad_(False)
     return model.eval(), config
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give each meta parameter and buffer empty storage on device, floating ones in dtype. The same as
+    model.to(dtype).to_empty(device), without the meta empty_like that imports sympy (1-2 s of a start)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        return done[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b)
 
 
 @torch.no_grad()
