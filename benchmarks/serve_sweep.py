@@ -40,7 +40,8 @@ def start_server(model_dir: str, port: int, flags: list[str], threads: int, log:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float, poll_s: float = 1.0) -> float:
+    """Seconds until /health answers 200 (polled every poll_s)."""
     import httpx
 
     start = time.perf_counter()
@@ -52,7 +53,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
                 return time.perf_counter() - start
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(poll_s)
     raise TimeoutError(f"the server was not healthy within {timeout_s} s")
 
 

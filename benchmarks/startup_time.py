@@ -19,10 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_sweep import free_port  # noqa: E402
+from serve_sweep import free_port, wait_healthy  # noqa: E402
 
 
 def time_plan(python: str, model: str, env: dict[str, str]) -> float:
@@ -34,19 +32,10 @@ def time_plan(python: str, model: str, env: dict[str, str]) -> float:
 
 def time_serve(python: str, model: str, env: dict[str, str]) -> float:
     port = free_port()
-    start = time.perf_counter()
     proc = subprocess.Popen([python, "-m", "ladle.entrypoints.cli", "serve", "--model", model, "--port", str(port)],
                             env=env, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        return wait_healthy(port, proc, 600, poll_s=0.05)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -17,7 +16,6 @@ from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.step_executor import RequestFailure, StepExecutor
 from ladle.models.loader import kv_cache_shape_params
-from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer

@@ -50,7 +50,7 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
     stored = profile_cache.store(key, points)
     why = "no cache entry for this model, dtype, device and code" if use_cache else "profile_cache is off"
     prov.put("activation_profile", "measured",
-             f"profiled at startup ({why})" + (f"; stored for the next start" if stored else ""))
+             f"profiled at startup ({why})" + ("; stored for the next start" if stored else ""))
     return points
 
 
