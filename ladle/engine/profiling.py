@@ -108,8 +108,17 @@ def profile_points(
     """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
     case); decode steps of each row count at context min(max_context, tile), where their workspace tops out,
     and a few rows at max_context to confirm it stays flat."""
-    points = _measure(model, kv_shape, dtype, device, block_size, vocab_size, token_counts, max_context,
-                      decode_rows, tile)
+    # Dummy tokens route wherever they happen to; the plan must hold for the worst routing (every token of a
+    # step through the same experts), so MoE layers are told to route that way while profiling.
+    routers = [m for m in model.modules() if hasattr(m, "force_worst_routing")]
+    for m in routers:
+        m.force_worst_routing = True
+    try:
+        points = _measure(model, kv_shape, dtype, device, block_size, vocab_size, token_counts, max_context,
+                          decode_rows, tile)
+    finally:
+        for m in routers:
+            m.force_worst_routing = False
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the scratch pool is gone; give its memory back before the real one
     return points

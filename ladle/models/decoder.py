@@ -1,21 +1,29 @@
 """The decoder-only causal LM that Qwen3 and Llama share; parameter names follow the HF checkpoints."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding, StackedLinear, add_rms_norm
+from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm
 from ladle.worker.inputs import AttentionMetadata
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+MlpFactory = Callable[[Any, int], nn.Module]  # (config, layer index) -> the layer's MLP
+
+
+def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
+                    config.hidden_act)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory) -> None:
         super().__init__()
         layer_types = getattr(config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -26,7 +34,8 @@ class DecoderModel(nn.Module):
         if not weight.is_meta:
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -48,14 +57,19 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Subclasses only choose the per-model knobs (q/k norm); biases are read from the config."""
+    """Subclasses declare the per-model knobs: q/k norm, and the MLP of each layer (dense by default);
+    biases are read from the config."""
 
     qk_norm: bool = False
+
+    @staticmethod
+    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
+        return dense_mlp(config, layer_idx)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm)
+        self.model = DecoderModel(config, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -78,13 +92,13 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (casting dtype and device); returns the names of the
-        parameters fully loaded (a stacked one counts once all its shards arrived).
+        parameters fully loaded (a stacked one counts once every checkpoint tensor it holds arrived).
 
         Raises on a name no parameter has, or a shape mismatch, so a wrong checkpoint fails loudly.
         """
         params = dict(self.named_parameters())
-        stacked = _stacked_shards(self)
-        shards_loaded: dict[str, set[str]] = {}
+        views = checkpoint_views(self)
+        parts_loaded: dict[str, set[str]] = {}
         loaded: set[str] = set()
         tied_head: torch.Tensor | None = None
         for name, tensor in weights:
@@ -93,22 +107,22 @@ class DecoderForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 tied_head = tensor  # HF ties lm_head to the embedding; used only if the embedding is absent
                 continue
-            target, (start, size) = stacked.get(name, (name, (0, None)))
+            target, view = views.get(name, (name, None))
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            dest = param if size is None else param.narrow(0, start, size)
+            dest = param if view is None else view(param)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
             dest.copy_(tensor)
-            if size is None:
+            if view is None:
                 loaded.add(name)
             else:
-                shards_loaded.setdefault(target, set()).add(name)
+                parts_loaded.setdefault(target, set()).add(name)
         expected: dict[str, set[str]] = {}
-        for name, (target, _) in stacked.items():
+        for name, (target, _) in views.items():
             expected.setdefault(target, set()).add(name)
-        loaded |= {t for t, names in expected.items() if shards_loaded.get(t) == names}
+        loaded |= {t for t, names in expected.items() if parts_loaded.get(t) == names}
         embed = "model.embed_tokens.weight"
         if tied_head is not None and embed not in loaded:
             params[embed].copy_(tied_head)
@@ -116,14 +130,12 @@ class DecoderForCausalLM(nn.Module):
         return loaded
 
 
-def _stacked_shards(model: nn.Module) -> dict[str, tuple[str, tuple[int, int]]]:
-    """Checkpoint name -> (stacked parameter name, (first row, rows)), e.g.
-    'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight', (4096, 1024))."""
-    table: dict[str, tuple[str, tuple[int, int]]] = {}
+def checkpoint_views(model: nn.Module) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """Checkpoint name -> (parameter name, the view of it the tensor fills), from every module that stacks
+    several checkpoint tensors into one parameter (StackedLinear's shards, FusedMoE's experts)."""
+    table: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, StackedLinear):
-            parent = prefix.rsplit(".", 1)[0]
-            for shard, rows in module.shards.items():
-                for kind, _ in module.named_parameters():
-                    table[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}", rows)
+        views = getattr(module, "checkpoint_views", None)
+        if callable(views) and prefix:
+            table.update(views(prefix))
     return table

@@ -1,7 +1,7 @@
 """Building blocks shared by the decoder-only models, written to match HF transformers numerically."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,17 @@ class StackedLinear(nn.Linear):
             offsets.append(offsets[-1] + size)
         self.shards = {name: (start, size) for (name, size), start in zip(shards.items(), offsets)}
 
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """Checkpoint name -> (parameter name, the rows that tensor fills): the shards are the checkpoint's
+        sibling modules ('...self_attn.k_proj.weight' fills rows of '...self_attn.qkv_proj.weight')."""
+        parent = prefix.rsplit(".", 1)[0]
+        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for shard, (start, size) in self.shards.items():
+            for kind, _ in self.named_parameters():
+                views[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}",
+                                                      lambda p, start=start, size=size: p.narrow(0, start, size))
+        return views
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
@@ -188,12 +199,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, qk_norm)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), config.hidden_act
-        )
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

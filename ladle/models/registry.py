@@ -8,9 +8,11 @@ from torch import nn
 
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
+from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
 })
 
