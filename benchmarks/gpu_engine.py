@@ -110,13 +110,12 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
     from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
     from ladle.worker.sampler import SamplingMetadata
     from ladle.sampling_params import SamplingParams
-    from ladle.models.loader import kv_cache_shape_params
 
     cfg, ec = core.hf_config, core.config
-    layers, kvh, hd = kv_cache_shape_params(cfg)
+    layers, hd = cfg.num_hidden_layers, ec.kv_layout.groups[0].spec.head_dim
     blocks = -(-prompt_len // ec.block_size)
-    runner = ModelRunner(core.runner.model, allocate_kv_caches(layers, blocks, ec.block_size, kvh, hd, ec.dtype,
-                                                               ec.device), ec.block_size, ec.device)
+    runner = ModelRunner(core.runner.model, allocate_kv_caches(ec.kv_layout, layers, blocks, ec.device),
+                         ec.block_size, ec.device)
     ids, table = prompts(1, prompt_len, cfg.vocab_size, 7)[0], list(range(blocks))
     greedy = SamplingMetadata([SamplingParams(temperature=0.0)], [None], [[]], [[]], [frozenset()])
     empty = SamplingMetadata([], [], [], [], [])

@@ -23,12 +23,10 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     from ladle.worker.cuda_graphs import DecodeGraphs
     from ladle.worker.inputs import ScheduledChunk, build_step_inputs
     from ladle.worker.model_runner import allocate_kv_caches
-    from ladle.models.loader import kv_cache_shape_params
 
     ec, model = core.config, core.runner.model
-    layers, kvh, hd = kv_cache_shape_params(core.hf_config)
     per_seq = -(-(context + 1) // ec.block_size)
-    caches = allocate_kv_caches(layers, per_seq * max(batches), ec.block_size, kvh, hd, ec.dtype, ec.device)
+    caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * max(batches), ec.device)
     t0 = time.perf_counter()
     graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device)
     if ec.device.type == "cuda":
@@ -101,7 +99,7 @@ def _attention_case(reqs: list[tuple[int, int]], device: torch.device) -> tuple:
     blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
     chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
     step = build_step_inputs(chunks, page, device)
-    nb = sum(len(c.block_ids) for c in chunks)
+    nb = sum(len(c.block_ids[0]) for c in chunks)
     kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
     flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)

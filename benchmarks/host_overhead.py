@@ -49,7 +49,7 @@ def measure(batch: int, context: int) -> list[float]:
     graphs = DecodeGraphs(torch.nn.Module(), [], BLOCK, MAX_MODEL_LEN, batch, torch.device("cpu"))
     return [
         median_ms(lambda: build_step_inputs(chunks, BLOCK)),
-        median_ms(lambda: build_step_inputs(chunks, BLOCK, "cpu", buffer.gather(ids, tables, widths))),
+        median_ms(lambda: build_step_inputs(chunks, BLOCK, "cpu", (buffer.gather(ids, tables, widths),))),
         median_ms(lambda: graphs._fill(chunks, batch)),
         median_ms(lambda: graphs._fill(chunks, batch, buffer.gather(ids, tables, widths))),
     ]
@@ -79,7 +79,7 @@ def engine_step_ms(batch: int, context: int, workdir: str) -> tuple[float, float
     model.forward = lambda ids, *_: torch.zeros(ids.shape[0], 64)
     model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)
     with_buffer = median_ms(core.step)
-    core.runner.block_table = None
+    core.runner.block_tables = None
     return with_buffer, median_ms(core.step)
 
 

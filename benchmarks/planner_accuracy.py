@@ -15,7 +15,6 @@ from ladle.config import EngineArgs
 from ladle.demo import build_demo_model
 from ladle.engine.profiling import profile_points
 from ladle.engine.setup import load_and_plan
-from ladle.models.loader import kv_cache_shape_params
 
 MiB = 2**20
 
@@ -34,16 +33,16 @@ def main() -> None:
     lines = [f"Model: {model_dir} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size})",
              f"Fitted: {act.describe()}", "",
              "| chunk | context | measured MiB | predicted MiB | predicted / measured |", "|---|---|---|---|---|"]
-    check = profile_points(loaded.model, kv_cache_shape_params(cfg), loaded.config.dtype, loaded.config.device,
-                           loaded.config.block_size, cfg.vocab_size, [256, 1024, 4096], max_len, [32])
+    layout = loaded.config.kv_layout
+    check = profile_points(loaded.model, layout, loaded.config.device, cfg.vocab_size, [256, 1024, 4096], max_len,
+                           [32])
     for p in (p for p in check if p.kind == "prefill"):
         pred = act.predict_prefill(p.num_tokens, p.context)
         lines.append(f"| {p.num_tokens} | {p.context} | {p.peak / MiB:.2f} | {pred / MiB:.2f} | {pred / p.peak:.3f} |")
     lines += ["", "| chunk | context | measured peak MiB | ratio to context 2048 |", "|---|---|---|---|"]
     base = None
     for ctx in (2048, 4096, max_len):
-        pts = profile_points(loaded.model, kv_cache_shape_params(cfg), loaded.config.dtype, loaded.config.device,
-                             loaded.config.block_size, cfg.vocab_size, [512], ctx, [1])
+        pts = profile_points(loaded.model, layout, loaded.config.device, cfg.vocab_size, [512], ctx, [1])
         peak = max(p.peak for p in pts if p.kind == "prefill" and p.context == ctx)
         base = base or peak
         lines.append(f"| 512 | {ctx} | {peak / MiB:.2f} | {peak / base:.3f} |")

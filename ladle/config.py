@@ -170,10 +170,16 @@ class EngineConfig:
     async_scheduling: bool = False
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
+    kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs
 
     def report(self) -> str:
-        """The resolved settings with their provenance, then the memory plan."""
-        return self.table() + ("\n" + "\n".join(self.plan.lines()) if self.plan is not None else "")
+        """The resolved settings with their provenance, then the memory plan and the KV cache groups."""
+        lines = [self.table()]
+        if self.plan is not None:
+            lines += self.plan.lines()
+        if self.kv_layout is not None:
+            lines += self.kv_layout.lines()
+        return "\n".join(lines)
 
     def table(self) -> str:
         rows = [(k, str(s.value), s.source, s.reason) for k, s in self.settings.items()]

@@ -139,9 +139,12 @@ def build_checkpoint(
     extra_config is passed to the HF config (e.g. rope_parameters, rms_norm_eps, initializer_range).
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig,
+    )
 
-    config_classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
+    config_classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
+                      "mistral": MistralConfig}
     if arch not in config_classes:
         raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
     out = Path(out_dir)

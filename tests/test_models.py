@@ -211,7 +211,7 @@ def test_paged_attention_matches_dense_reference(tile: int, group_tokens: int) -
 
 def test_unknown_architecture_is_rejected() -> None:
     config = LlamaConfig(**SMALL)
-    config.architectures = ["MistralForCausalLM"]
+    config.architectures = ["MambaForCausalLM"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         model_class_for(config)
 

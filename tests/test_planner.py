@@ -11,7 +11,6 @@ from ladle.config import parse_bytes
 from ladle.engine.memory import measure_peak
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ActivationModel, profile_points
-from ladle.models.loader import kv_cache_shape_params
 
 MiB = 2**20
 
@@ -109,8 +108,8 @@ def test_predicted_activation_peak_within_20_percent(tmp_path):
     model = llm.engine.core.config.plan.inputs.activation
     core = llm.engine.core
     cfg = core.hf_config
-    check = profile_points(core.runner.model, kv_cache_shape_params(cfg), torch.float32, torch.device("cpu"), 16,
-                           cfg.vocab_size, [256, 768, 2048], 4096, [32])
+    check = profile_points(core.runner.model, core.config.kv_layout, torch.device("cpu"), cfg.vocab_size,
+                           [256, 768, 2048], 4096, [32])
     prefills = [p for p in check if p.kind == "prefill"]
     assert {(p.num_tokens, p.context) for p in prefills} == {(t, c) for t in (256, 768, 2048) for c in (t, 4096)}
     for p in prefills:

@@ -13,8 +13,8 @@ from hf_oracle import hf_greedy
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
 from ladle.demo import build_checkpoint
-from ladle.engine import kv_cache
-from ladle.engine.kv_cache import KVCacheManager
+from ladle.kv_cache import block_pool
+from ladle.kv_cache.manager import KVCacheManager
 from ladle.engine.llm_engine import LLMEngine
 from ladle.engine.scheduler import Scheduler
 from ladle.request import Request
@@ -43,7 +43,7 @@ def token_ids(outs) -> list[list[int]]:
 
 def assert_no_leak(llm: LLM) -> None:
     kv = llm.engine.core.kv
-    assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts) and not kv.block_tables
+    assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts) and not any(kv.tables)
 
 
 # --- KVCacheManager, no model ------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_hit_takes_leading_full_blocks_and_leaves_the_last_token():
     # Block-aligned and fully cached: capped at (8 - 1) // 4 blocks, so the last block is recomputed into a
     # block of the request's own and the shared one is never written.
     assert kv.get_computed_blocks(request("e", range(1, 9)))[1] == 4
-    assert KVCacheManager(16, 4, enable_caching=False).get_computed_blocks(request("f", range(1, 9))) == ([], 0)
+    assert KVCacheManager(16, 4, enable_caching=False).get_computed_blocks(request("f", range(1, 9))) == (([],), 0)
 
 
 def test_admission_counts_cached_blocks():
@@ -72,8 +72,8 @@ def test_admission_counts_cached_blocks():
     assert hit == 32 and kv.num_free_blocks == 2
     assert kv.num_blocks_to_allocate("b", b.num_tokens, blocks) == 1
     assert kv.allocate("b", b.num_tokens, blocks)
-    assert kv.block_tables["b"][:8] == kv.block_tables["a"] and kv.num_free_blocks == 1
-    assert all(kv.pool.ref_counts[i] == 2 for i in kv.block_tables["a"])
+    assert kv.tables[0]["b"][:8] == kv.tables[0]["a"] and kv.num_free_blocks == 1
+    assert all(kv.pool.ref_counts[i] == 2 for i in kv.tables[0]["a"])
     kv.free("a")
     kv.free("b")
     assert kv.num_free_blocks == 10 and not any(kv.pool.ref_counts)
@@ -85,14 +85,14 @@ def test_cached_free_blocks_cost_a_free_slot_and_are_evicted_lru_tail_first():
     admit(kv, a)
     kv.free("a")
     blocks, _ = kv.get_computed_blocks(request("x", list(range(1, 17)) + [5]))
-    assert len(blocks) == 4 and kv.num_blocks_to_allocate("x", 17, blocks) == 5  # 1 new + 4 out of the queue
+    assert len(blocks[0]) == 4 and kv.num_blocks_to_allocate("x", 17, blocks) == 5  # 1 new + 4 out of the queue
     admit(kv, request("c", [400 + i for i in range(12)]))  # 3 blocks: 2 never used, then a's tail block
     assert kv.pool.num_evictions == 1
     assert kv.get_computed_blocks(request("a2", list(range(1, 17)) + [5]))[1] == 12  # a's head survives
 
 
 def test_constant_hash_never_serves_another_prefix(monkeypatch):
-    monkeypatch.setattr(kv_cache, "hash_block_tokens", lambda *key: 0)
+    monkeypatch.setattr(block_pool, "hash_block_tokens", lambda *key: 0)
     kv = KVCacheManager(16, 4)
     shared = [5, 6, 7, 8, 9, 10, 11, 12]
     admit(kv, request("a", [1] * 4 + shared + [0]))
@@ -219,7 +219,7 @@ def test_n_siblings_share_the_prompt_blocks(chunked, hf_qwen3):
 
 
 def test_hash_collisions_cannot_serve_wrong_kv(tiny_qwen3_dir, hf_qwen3, monkeypatch):
-    monkeypatch.setattr(kv_cache, "hash_block_tokens", lambda *key: 0)  # every block collides
+    monkeypatch.setattr(block_pool, "hash_block_tokens", lambda *key: 0)  # every block collides
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
     shared = rand_ids(48, seed=80)
     a = rand_ids(16, seed=81) + shared + [3]
@@ -255,7 +255,7 @@ def test_scheduler_defers_a_request_whose_prefix_is_being_written():
     out = sched.schedule()
     admitted = [s for s in out.scheduled if s.request is second]
     assert admitted[0].start_pos == 16 and admitted[0].num_new_tokens == 2 and out.prefix_cache_hits == 16
-    assert kv.block_tables["second"][:4] == kv.block_tables["first"][:4]
+    assert kv.tables[0]["second"][:4] == kv.tables[0]["first"][:4]
 
 
 def test_preempted_request_hits_its_own_blocks_on_readmission():

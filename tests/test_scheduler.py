@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from ladle.config import EngineConfig
-from ladle.engine.kv_cache import KVCacheManager
+from ladle.kv_cache.manager import KVCacheManager
 from ladle.engine.scheduler import Scheduler
 from ladle.request import Request, RequestRejected, RequestStatus
 from ladle.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ def test_preemption_recomputes_and_keeps_generated_tokens():
             r = next(x for x in reqs if x.request_id == rid)
             assert r.num_computed_tokens == 0 and r in sched.waiting
             seen.append((rid, r.num_output_tokens))
-        used = sum(len(t) for t in sched.kv.block_tables.values())
+        used = sum(len(t) for t in sched.kv.tables[0].values())
         assert used + sched.kv.num_free_blocks == sched.kv.num_blocks
 
     run(sched, check)

@@ -10,12 +10,11 @@ from transformers import GenerationConfig
 
 from ladle.config import EngineArgs, EngineConfig
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.setup import load_and_plan
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.step_executor import RequestFailure, StepExecutor
-from ladle.models.loader import kv_cache_shape_params
+from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer
@@ -54,14 +53,15 @@ class EngineCore:
         hf_config = loaded.hf_config
         self.hf_config = hf_config
         self.eos_token_ids = eos_token_ids(args.model, hf_config)
-        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        layout = cfg.kv_layout
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                                 windows=layout.windows)
         self.scheduler = Scheduler(cfg, self.kv)
-        num_layers, num_kv_heads, head_dim = kv_cache_shape_params(hf_config)
-        caches = allocate_kv_caches(num_layers, cfg.num_kv_blocks, cfg.block_size, num_kv_heads, head_dim,
-                                    cfg.dtype, cfg.device)
-        # Room for every running request, and as many again for preempted ones coming back.
-        tables = BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
-        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables)
+        caches = allocate_kv_caches(layout, hf_config.num_hidden_layers, cfg.num_kv_blocks, cfg.device)
+        # Room for every running request, and as many again for preempted ones coming back; one per group.
+        tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
+                  for _ in layout.groups]
+        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows)
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:
@@ -71,7 +71,7 @@ class EngineCore:
                         "%.1f MiB)", cfg.max_cudagraph_capture_size, time.perf_counter() - start,
                         self.graph_memory_bytes / 2**20, cfg.plan.inputs.graph_bytes / 2**20)
         self.stats = EngineStats()
-        self.executor = StepExecutor(self.runner, self.kv.block_tables, cfg.block_size, cfg.device, self.stats)
+        self.executor = StepExecutor(self.runner, self.kv.tables, cfg.block_size, cfg.device, self.stats)
         self._failed_steps_in_a_row = 0
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # a step launched before its inputs were read
 
@@ -160,7 +160,7 @@ class EngineCore:
         """runner.launch, or None when it runs out of memory: the synchronous path, with its retries, then
         runs the step (a step launched ahead is simply scheduled again; its KV slots get the same values)."""
         try:
-            return self.runner.launch(sched, self.kv.block_tables, input_ids)
+            return self.runner.launch(sched, self.kv.tables, input_ids)
         except (torch.OutOfMemoryError, MemoryError) as e:
             logger.warning("out of memory launching a step (%s); it runs synchronously", type(e).__name__)
             if self.config.device.type == "cuda":

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ladle.config import format_bytes
 from ladle.engine.profiling import ActivationModel
+from ladle.kv_cache.specs import blocks_held
 
 MiB = 2**20
 STEP = 64  # derived budgets are multiples of 64: matrix tiles fall off cliffs between them
@@ -29,6 +30,7 @@ class PlanInputs:
     on_cpu: bool
     activation: ActivationModel
     graph_bytes: int = 0  # the CUDA graphs' private memory pool, held apart from eager steps' activations
+    windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window (None: full attention)
 
     @property
     def margin(self) -> int:
@@ -41,16 +43,20 @@ class PlanInputs:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def request_blocks(self, max_model_len: int, tokens: int) -> int:
+        """Blocks one max_model_len request holds at most, over all groups, prefilled `tokens` at a time."""
+        return sum(blocks_held(w, max_model_len, self.block_size, tokens) for w in self.windows)
+
     def room(self) -> int:
         """Bytes left for KV pool and activations."""
         return self.budget - self.weights - self.margin - self.graph_bytes
 
     def fits(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> bool:
-        blocks = self.blocks_for(max_model_len) if kv_blocks is None else kv_blocks
+        blocks = self.request_blocks(max_model_len, tokens) if kv_blocks is None else kv_blocks
         return self.activation.predict(tokens, max_model_len) + blocks * self.block_bytes <= self.room()
 
     def need(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> int:
-        blocks = self.blocks_for(max_model_len) if kv_blocks is None else kv_blocks
+        blocks = self.request_blocks(max_model_len, tokens) if kv_blocks is None else kv_blocks
         return (self.weights + self.margin + self.graph_bytes + self.activation.predict(tokens, max_model_len)
                 + blocks * self.block_bytes)
 
@@ -126,7 +132,7 @@ class MemoryPlan:
         if prompt_tokens > self.max_model_len:
             return (f"a {prompt_tokens}-token prompt does not fit: max_model_len is {self.max_model_len}; it "
                     "would be rejected at submission with context_length_exceeded")
-        if self.inputs.blocks_for(prompt_tokens) > self.num_kv_blocks:
+        if self.inputs.request_blocks(prompt_tokens, self.max_prefill_length) > self.num_kv_blocks:
             return f"a {prompt_tokens}-token prompt needs more KV blocks than the pool has; it would be rejected"
         chunk = min(self.max_prefill_length, self.max_num_batched_tokens)
         chunks = -(-prompt_tokens // chunk)
@@ -210,7 +216,7 @@ def plan_memory(
     else:
         blocks, why = most, "what the budget leaves after weights, the step's activation peak and margin"
         if inputs.on_cpu:
-            cap = max(CPU_DEFAULT_KV_CAP // inputs.block_bytes, inputs.blocks_for(max_len))
+            cap = max(CPU_DEFAULT_KV_CAP // inputs.block_bytes, inputs.request_blocks(max_len, tokens))
             if cap < blocks:
                 blocks, why = cap, f"capped at {CPU_DEFAULT_KV_CAP // MiB} MiB on CPU (set kv_cache_memory_bytes for more)"
         put("num_kv_blocks", blocks, why)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.engine.memory import measure_peak
+from ladle.kv_cache.specs import KVCacheLayout
 from ladle.sampling_params import SamplingParams
 from ladle.worker.attention import CONTEXT_TILE
 from ladle.worker.inputs import ScheduledChunk
@@ -101,9 +102,8 @@ def fit_activation_model(points: list[ProfilePoint], max_num_seqs: int, tile: in
 
 
 def profile_points(
-    model: torch.nn.Module, kv_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-    block_size: int, vocab_size: int, token_counts: list[int], max_context: int, decode_rows: list[int],
-    tile: int = CONTEXT_TILE,
+    model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
+    max_context: int, decode_rows: list[int], tile: int = CONTEXT_TILE,
 ) -> list[ProfilePoint]:
     """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
     case); decode steps of each row count at context min(max_context, tile), where their workspace tops out,
@@ -114,8 +114,7 @@ def profile_points(
     for m in routers:
         m.force_worst_routing = True
     try:
-        points = _measure(model, kv_shape, dtype, device, block_size, vocab_size, token_counts, max_context,
-                          decode_rows, tile)
+        points = _measure(model, layout, device, vocab_size, token_counts, max_context, decode_rows, tile)
     finally:
         for m in routers:
             m.force_worst_routing = False
@@ -125,16 +124,17 @@ def profile_points(
 
 
 def _measure(
-    model: torch.nn.Module, kv_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-    block_size: int, vocab_size: int, token_counts: list[int], max_context: int, decode_rows: list[int],
-    tile: int,
+    model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
+    max_context: int, decode_rows: list[int], tile: int,
 ) -> list[ProfilePoint]:
-    num_layers, num_kv_heads, head_dim = kv_shape
+    block_size = layout.block_size
     num_blocks = -(-max_context // block_size)
-    # A scratch pool for one max_context sequence; decodes share its block table (values do not matter).
-    caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    runner = ModelRunner(model, caches, block_size, device)
-    blocks = list(range(num_blocks))
+    # A scratch pool for one max_context sequence; decodes and every group share its block table (values do
+    # not matter).
+    num_layers = max(layer for g in layout.groups for layer in g.layers) + 1
+    caches = allocate_kv_caches(layout, num_layers, num_blocks, device)
+    runner = ModelRunner(model, caches, block_size, device, windows=layout.windows)
+    blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:
         if kind == "prefill":

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from ladle.config import EngineConfig
-from ladle.engine.kv_cache import KVCacheManager
+from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected, RequestStatus
 
 logger = logging.getLogger("ladle.scheduler")
@@ -82,7 +82,7 @@ class Scheduler:
                 f"exceeds max_model_len={cfg.max_model_len}; shorten the prompt or lower max_tokens",
                 code="context_length_exceeded",
             )
-        need = self.kv.blocks_for(total)
+        need = self.kv.peak_blocks(total, min(cfg.max_prefill_length, cfg.max_num_batched_tokens))
         if need > self.kv.num_blocks:
             raise RequestRejected(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) needs {need} "
@@ -127,7 +127,9 @@ class Scheduler:
                 continue
             # Admission on the whole (re)prefill, so an admitted prompt never stalls between chunks. Cached
             # blocks cost only what taking them out of the free queue costs.
-            if not self.kv.allocate(req.request_id, req.num_tokens, computed_blocks):
+            chunk = min(self.config.max_prefill_length, self.config.max_num_batched_tokens)
+            first_end = num_cached + min(req.num_tokens - num_cached, chunk, budget)
+            if not self.kv.admit(req.request_id, req.num_tokens, first_end, chunk, computed_blocks, num_cached):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -154,8 +156,8 @@ class Scheduler:
         known: every running request is a decode of sched, none finishes by length at sched, no waiting
         request could be admitted, and the pool has every block the next tokens need (allocated here) without
         preempting anyone. A request that stops on a token at sched has its step-ahead result dropped."""
-        if sched.preempted_ids or len(sched.scheduled) != len(self.running):
-            return None
+        if sched.preempted_ids or len(sched.scheduled) != len(self.running) or self.kv.has_sliding_window:
+            return None  # (a window would give blocks back under the step in flight: run synchronously)
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
         for s in sched.scheduled:
@@ -164,8 +166,7 @@ class Scheduler:
                 return None
             if req.num_output_tokens + 2 > req.max_tokens or req.num_tokens + 2 > self.config.max_model_len:
                 return None
-        need = sum(max(0, self.kv.blocks_for(s.start_pos + 2) - len(self.kv.block_ids(s.request.request_id)))
-                   for s in sched.scheduled)
+        need = sum(self.kv.num_blocks_to_allocate(s.request.request_id, s.start_pos + 2) for s in sched.scheduled)
         if need > self.kv.num_free_blocks:
             return None
         for s in sched.scheduled:
@@ -202,7 +203,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
         """Make room for n more tokens of req, preempting the newest unscheduled requests if needed."""
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n, num_computed=req.num_computed_tokens):
             victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)

@@ -16,6 +16,8 @@ from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_b
 from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
+from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout, group_layers
+from ladle.models.decoder import layer_windows
 from ladle.models.loader import kv_cache_shape_params as kv_shape_of, load_config, load_model
 
 
@@ -33,11 +35,12 @@ def profile_token_counts(max_len: int) -> list[int]:
 
 
 def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: object,
-                        dtype: torch.dtype, device: torch.device, context: int) -> list[ProfilePoint]:
+                        layout: KVCacheLayout, device: torch.device, context: int) -> list[ProfilePoint]:
     """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
     now and stored for the next start."""
     token_counts = profile_token_counts(context)
     rows = sorted({min(r, args.max_num_seqs) for r in (16, 64, 128)})
+    dtype = layout.groups[0].spec.dtype
     key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
                                     token_counts=token_counts, rows=rows)
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
@@ -45,8 +48,7 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
     if cached is not None:
         prov.put("activation_profile", "cached", f"from {profile_cache.cache_dir() / key}.json")
         return cached
-    points = profile_points(model, kv_shape_of(hf_config), dtype, device, args.block_size, hf_config.vocab_size,
-                            token_counts, context, rows)
+    points = profile_points(model, layout, device, hf_config.vocab_size, token_counts, context, rows)
     stored = profile_cache.store(key, points)
     why = "no cache entry for this model, dtype, device and code" if use_cache else "profile_cache is off"
     prov.put("activation_profile", "measured",
@@ -75,17 +77,21 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
     num_layers, num_kv_heads, head_dim = kv_shape_of(hf_config)
-    kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    layout = KVCacheLayout(group_layers([AttentionSpec(num_kv_heads, head_dim, dtype, w)
+                                         for w in layer_windows(hf_config)]), args.block_size)
+    if device.type == "cuda" and (len(layout.groups) > 1 or layout.windows != (None,)):
+        raise ValueError("sliding-window attention runs on CPU only for now (the Triton kernels have no window "
+                         "yet); use device cpu")
 
     context = args.max_model_len or model_max
-    points = _activation_profile(args, prov, model, hf_config, dtype, device, context)
+    points = _activation_profile(args, prov, model, hf_config, layout, device, context)
     activation = fit_activation_model(points, args.max_num_seqs)
 
     # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
     # (it also counts sampling, which runs outside the graph).
     graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
-    inputs = PlanInputs(budget, budget_reason, weights, kv_bytes_per_token, args.block_size, model_max,
-                        args.max_num_seqs, device.type == "cpu", activation, graph_bytes)
+    inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
+                        model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
@@ -97,6 +103,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=bool(args.enable_prefix_caching),
         max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
-        settings=prov.settings, plan=plan,
+        settings=prov.settings, plan=plan, kv_layout=layout,
     )
     return Loaded(model, hf_config, config)

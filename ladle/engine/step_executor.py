@@ -19,7 +19,7 @@ import torch
 
 from ladle.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
-from ladle.worker.model_runner import ModelRunner, SampledToken
+from ladle.worker.model_runner import GroupTables, ModelRunner, SampledToken
 
 logger = logging.getLogger("ladle")
 
@@ -40,10 +40,10 @@ class StepResult:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, block_tables: dict[str, list[int]], min_tokens: int,
+    def __init__(self, runner: ModelRunner, block_tables: GroupTables, min_tokens: int,
                  device: torch.device, stats: EngineStats) -> None:
         self.runner = runner
-        self.block_tables = block_tables  # the KV manager's live dict: request id -> block ids
+        self.block_tables = block_tables  # the KV manager's live dicts, one per group: request id -> block ids
         self.min_tokens = min_tokens  # an OOM retry never goes below this many tokens (one block)
         self.device = device
         self.stats = stats

@@ -22,12 +22,33 @@ def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
                     config.hidden_act)
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention): from layer_types when the config has them (Qwen3's
+    use_sliding_window / max_window_layers fill them in), else config.sliding_window for every layer
+    (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported; supported: full_attention, sliding_attention")
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError("the config has sliding_attention layers but no sliding_window")
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def window_groups(windows: list[int | None]) -> list[int]:
+    """Each layer's KV cache group: layers with the same window share one, numbered by first appearance (the
+    order ladle.kv_cache.specs.group_layers gives the groups)."""
+    order: dict[int | None, int] = {}
+    return [order.setdefault(w, len(order)) for w in windows]
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory) -> None:
         super().__init__()
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"only full attention is supported; config has layer_types {sorted(set(layer_types))}")
+        self.layer_group = window_groups(layer_windows(config))
         # Built on the meta device by the loader; nn.Embedding's own init (normal_) on a meta tensor imports
         # torch._dynamo, 2-4 s of every start, so a meta weight skips it (a real one is initialised as usual).
         weight = torch.empty(config.vocab_size, config.hidden_size)
@@ -44,15 +65,17 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | tuple[AttentionMetadata, ...],
     ) -> torch.Tensor:
+        """attn: the step's metadata per KV cache group (or one, for a model with one group)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        groups = attn if isinstance(attn, tuple) else (attn,)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn)
+        for layer, kv_cache, group in zip(self.layers, kv_caches, self.layer_group):
+            x, residual = layer(x, residual, cos, sin, kv_cache, groups[group])
         return self.norm(x) if residual is None else add_rms_norm(x, residual, self.norm)[0]
 
 
@@ -79,7 +102,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | tuple[AttentionMetadata, ...],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn)

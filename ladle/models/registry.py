@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ladle.models.llama import LlamaForCausalLM
+from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -14,6 +15,7 @@ _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
 })
 
 

@@ -150,6 +150,58 @@ def _attend_decodes(
     out.index_copy_(0, rows, merged.result()[:, :, 0, :])
 
 
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [len(q_pos), len(k_pos)]: a query at p sees keys (p - window, p]."""
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    return torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+
+
+def _attend_prefill_window(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float,
+    tile: int, window: int,
+) -> torch.Tensor:
+    """A sliding-window chunk q [1, H, Lq, D] at offset ctx - Lq: each block of `tile` queries reads only the
+    keys its window reaches (at most window - 1 + tile of them, whatever the context), in one call."""
+    lq = q.shape[2]
+    start = ctx - lq
+    out = torch.empty_like(q)
+    for r0 in range(0, lq, tile):
+        r1 = min(r0 + tile, lq)
+        lo = max(0, start + r0 - window + 1)
+        k = _gather(k_cache, table, lo, start + r1, q.dtype)
+        v = _gather(v_cache, table, lo, start + r1, q.dtype)
+        q_pos = torch.arange(start + r0, start + r1, device=q.device)
+        mask = _window_mask(q_pos, torch.arange(lo, start + r1, device=q.device), window, q.dtype)
+        out[:, :, r0:r1] = _attend(q[:, :, r0:r1], k, v, scale, mask=mask[None, None])[0]
+    return out
+
+
+def _attend_decodes_window(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, cu: list[int],
+    group: list[int], scale: float, window: int, out: torch.Tensor,
+) -> None:
+    """One query row per request, each reading the blocks of its own window (at most window / block_size + 1
+    of them), gathered at once for the group and masked to (p - window, p]."""
+    device, bs = q.device, attn.block_size
+    ctx = torch.tensor([attn.context_lens_host[i] for i in group], device=device)
+    lo = (ctx - window).clamp_min(0)
+    first = lo // bs
+    width = int(((ctx + bs - 1) // bs - first).max())
+    tables = attn.block_tables[torch.tensor(group, device=attn.block_tables.device)].to(device)
+    cols = (first[:, None] + torch.arange(width, device=device)[None, :]).clamp_max(tables.shape[1] - 1)
+    blocks = tables.gather(1, cols).clamp_min(0).to(torch.long)
+    kvh, hd = k_cache.shape[2:]
+    k = k_cache.index_select(0, blocks.reshape(-1)).view(len(group), width * bs, kvh, hd).transpose(1, 2)
+    v = v_cache.index_select(0, blocks.reshape(-1)).view(len(group), width * bs, kvh, hd).transpose(1, 2)
+    k_pos = first[:, None] * bs + torch.arange(width * bs, device=device)[None, :]
+    visible = (k_pos >= lo[:, None]) & (k_pos < ctx[:, None])
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=device).masked_fill_(~visible, float("-inf"))
+    rows = torch.tensor([cu[i] for i in group], dtype=torch.long, device=device)
+    o, _ = _attend(q.index_select(0, rows)[:, :, None, :], k.to(q.dtype), v.to(q.dtype), scale,
+                   mask=mask[:, None, None, :])
+    out.index_copy_(0, rows, o[:, :, 0, :])
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,9 +222,13 @@ def paged_attention(
         # here so that CPU-only installs never need triton.
         from ladle.worker import triton_attention
 
+        if attn.sliding_window is not None:
+            raise NotImplementedError("sliding-window attention has no Triton kernel yet; run on CPU")
+
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
+    window = attn.sliding_window
     cu = [0]
     for n in attn.query_lens:
         cu.append(cu[-1] + n)
@@ -182,8 +238,14 @@ def paged_attention(
             decodes.append((i, ctx))
             continue
         qi = q[cu[i] : cu[i + 1]].transpose(0, 1)[None]  # [1, H, Lq, D]
-        o = _attend_prefill(qi, k_cache, v_cache, attn.block_tables[i : i + 1], ctx, scale, context_tile)
+        table = attn.block_tables[i : i + 1]
+        o = (_attend_prefill(qi, k_cache, v_cache, table, ctx, scale, context_tile) if window is None else
+             _attend_prefill_window(qi, k_cache, v_cache, table, ctx, scale, context_tile, window))
         out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
+    if window is not None:
+        for group in _decode_groups([(i, min(c, window)) for i, c in decodes], window, decode_group_tokens):
+            _attend_decodes_window(q, k_cache, v_cache, attn, cu, group, scale, window, out)
+        return out
     for group in _decode_groups(decodes, context_tile, decode_group_tokens):
         _attend_decodes(q, k_cache, v_cache, attn, cu, group, scale, context_tile, out)
     return out

@@ -99,10 +99,11 @@ class DecodeGraphs:
         n, bs = len(chunks), self.block_size
         pad = batch - n
         pos = [c.start_pos for c in chunks]
-        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
+        # One KV cache group: the engine keeps CUDA (and so graphs) to full-attention models with one group.
+        slots = [c.block_ids[0][p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
         pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
         if table is None:
-            rows = [c.block_ids[: p // bs + 1] for c, p in zip(chunks, pos)]
+            rows = [c.block_ids[0][: p // bs + 1] for c, p in zip(chunks, pos)]
             width = max((len(r) for r in rows), default=1)
             table = torch.tensor([r + [0] * (width - len(r)) for r in rows] or [[0]], dtype=torch.int32)
         # Only the rows and columns this step reads are copied: the buffer spans max_model_len (8K blocks at

@@ -1,7 +1,9 @@
 """Per-step model inputs, built by pure functions and passed to the model explicitly (no globals).
 
 KV pool layout, per layer: a (k_cache, v_cache) pair, each [num_blocks, block_size, num_kv_heads, head_dim].
-A token at position p of a request lives in slot block_ids[p // block_size] * block_size + p % block_size.
+A token at position p of a request lives, for each KV cache group, in slot
+block_ids[group][p // block_size] * block_size + p % block_size. Each group gets its own AttentionMetadata
+(slots and block tables differ; positions and lengths are shared).
 """
 from __future__ import annotations
 
@@ -16,8 +18,14 @@ class ScheduledChunk:
 
     token_ids: list[int]  # tokens whose KV this step computes (a prefill chunk, or one decode token)
     start_pos: int  # tokens of this request already in the KV cache (num_computed_tokens)
-    block_ids: list[int]  # the request's block table; covers start_pos + len(token_ids) tokens
+    # The request's block table per KV cache group (a plain list: the one group); each covers
+    # start_pos + len(token_ids) tokens, with NULL_BLOCK (-1) where a sliding window gave a block back.
+    block_ids: tuple[list[int], ...]
     sample: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_ids, tuple):
+            object.__setattr__(self, "block_ids", (list(self.block_ids),))
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class AttentionMetadata:
     query_lens: tuple[int, ...]  # host copies, so a CPU backend can loop without device syncs
     context_lens_host: tuple[int, ...]
     block_size: int
+    sliding_window: int | None = None  # a query at position p reads keys (p - W, p] only
 
     @property
     def num_seqs(self) -> int:
@@ -39,9 +48,14 @@ class AttentionMetadata:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
+    attn_groups: tuple[AttentionMetadata, ...]  # one per KV cache group
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states whose next token is sampled
     sampled_rows: tuple[int, ...]  # index into the chunk list of each sampled row, in logits order
+
+    @property
+    def attn(self) -> AttentionMetadata:
+        """The metadata of a model with one KV cache group."""
+        return self.attn_groups[0]
 
     @property
     def num_tokens(self) -> int:
@@ -52,11 +66,12 @@ def positions_for(chunks: list[ScheduledChunk]) -> list[int]:
     return [c.start_pos + i for c in chunks for i in range(len(c.token_ids))]
 
 
-def slot_mapping_for(chunks: list[ScheduledChunk], block_size: int) -> list[int]:
+def slot_mapping_for(chunks: list[ScheduledChunk], block_size: int, group: int = 0) -> list[int]:
     slots = []
     for c in chunks:
+        blocks = c.block_ids[group]
         for pos in range(c.start_pos, c.start_pos + len(c.token_ids)):
-            slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
     return slots
 
 
@@ -67,25 +82,29 @@ def cu_seqlens_for(chunks: list[ScheduledChunk]) -> list[int]:
     return cu
 
 
-def block_table_rows(chunks: list[ScheduledChunk], block_size: int) -> list[list[int]]:
-    """Each request's blocks that hold its context after this step, padded with 0 to a common width."""
-    rows = [c.block_ids[: -(-(c.start_pos + len(c.token_ids)) // block_size)] for c in chunks]
+def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int = 0) -> list[list[int]]:
+    """Each request's blocks that hold its context after this step, padded with 0 to a common width (blocks
+    a window gave back read as 0 too: no kernel reads them)."""
+    rows = [[max(b, 0) for b in c.block_ids[group][: -(-(c.start_pos + len(c.token_ids)) // block_size)]]
+            for c in chunks]
     width = max((len(r) for r in rows), default=0)
     return [r + [0] * (width - len(r)) for r in rows]
 
 
 def build_step_inputs(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
-    block_table: torch.Tensor | None = None,
+    block_tables: tuple[torch.Tensor, ...] | None = None, windows: tuple[int | None, ...] = (None,),
 ) -> StepInputs:
-    """block_table: the step's [len(chunks), >= blocks needed] int32 host table, when the caller keeps the
-    tables itself (ladle.worker.block_table); otherwise it is built from the chunks' block ids."""
+    """block_tables: the step's [len(chunks), >= blocks needed] int32 host table per group, when the caller
+    keeps the tables itself (ladle.worker.block_table); otherwise they are built from the chunks' block ids.
+    windows: each group's sliding window (None: full attention)."""
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
     for c in chunks:
         needed = -(-(c.start_pos + len(c.token_ids)) // block_size)
-        if len(c.block_ids) < needed:
-            raise ValueError(f"chunk needs {needed} blocks for {c.start_pos + len(c.token_ids)} tokens, has {len(c.block_ids)}")
+        if len(c.block_ids) != len(windows) or any(len(b) < needed for b in c.block_ids):
+            raise ValueError(f"chunk needs {needed} blocks for {c.start_pos + len(c.token_ids)} tokens in each of "
+                             f"{len(windows)} groups, has {[len(b) for b in c.block_ids]}")
     cu = cu_seqlens_for(chunks)
     context = [c.start_pos + len(c.token_ids) for c in chunks]
     sampled_rows = tuple(i for i, c in enumerate(chunks) if c.sample)
@@ -97,20 +116,21 @@ def build_step_inputs(
         host = torch.tensor(values, dtype=dtype)
         return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
-    attn = AttentionMetadata(
-        slot_mapping=as_tensor(slot_mapping_for(chunks, block_size), torch.int64),
-        cu_seqlens_q=as_tensor(cu, torch.int32),
-        context_lens=as_tensor(context, torch.int32),
-        block_tables=(as_tensor(block_table_rows(chunks, block_size), torch.int32) if block_table is None
-                      else (block_table.pin_memory() if pin else block_table).to(device, non_blocking=True)),
-        query_lens=tuple(len(c.token_ids) for c in chunks),
-        context_lens_host=tuple(context),
-        block_size=block_size,
-    )
+    cu_t, context_t = as_tensor(cu, torch.int32), as_tensor(context, torch.int32)
+    query_lens = tuple(len(c.token_ids) for c in chunks)
+    groups = []
+    for g, window in enumerate(windows):
+        table = (as_tensor(block_table_rows(chunks, block_size, g), torch.int32) if block_tables is None
+                 else (block_tables[g].pin_memory() if pin else block_tables[g]).to(device, non_blocking=True))
+        groups.append(AttentionMetadata(
+            slot_mapping=as_tensor(slot_mapping_for(chunks, block_size, g), torch.int64), cu_seqlens_q=cu_t,
+            context_lens=context_t, block_tables=table, query_lens=query_lens, context_lens_host=tuple(context),
+            block_size=block_size, sliding_window=window,
+        ))
     return StepInputs(
         input_ids=as_tensor([t for c in chunks for t in c.token_ids], torch.int64),
         positions=as_tensor(positions_for(chunks), torch.int64),
-        attn=attn,
+        attn_groups=tuple(groups),
         logits_indices=as_tensor([cu[i + 1] - 1 for i in sampled_rows], torch.int64),
         sampled_rows=sampled_rows,
     )

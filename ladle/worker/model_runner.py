@@ -6,11 +6,14 @@ from dataclasses import dataclass
 import torch
 
 from ladle.engine.scheduler import SchedulerOutput
+from ladle.kv_cache.specs import KVCacheLayout
 from ladle.outputs import Logprob
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 from ladle.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+GroupTables = tuple[dict[str, list[int]], ...]  # the KV manager's block tables, one dict per group
 
 
 @dataclass(frozen=True)
@@ -19,15 +22,15 @@ class SampledToken:
     logprobs: dict[int, Logprob] | None
 
 
-def allocate_kv_caches(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, [num_blocks, block_size, kv heads, head dim] each; the i-th layer of every
+    group shares pair i (a block belongs to one group at a time; see ladle.kv_cache.specs)."""
+    spec = layout.groups[0].spec
+    shape = (num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim)
+    pairs = [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+             for _ in range(layout.num_tensors)]
+    return [pairs[i] for _, i in layout.layer_slots(num_layers)]
 
 
 class PendingStep:
@@ -60,13 +63,16 @@ class PendingStep:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int, device: torch.device, block_table: BlockTableBuffer | None = None,
+        block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches  # one (K, V) pair per layer
         self.block_size = block_size
         self.device = device
-        self.block_table = block_table  # the engine's persistent host tables; None: built from each step
+        # The engine's persistent host tables, one per KV cache group; None: built from each step.
+        self.block_tables = block_tables
+        self.windows = windows  # each KV cache group's sliding window (None: full attention)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
 
@@ -79,25 +85,25 @@ class ModelRunner:
         self.graphs = graphs
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
-    def prepare(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[ScheduledChunk]:
+    def prepare(self, sched: SchedulerOutput, block_tables: GroupTables) -> list[ScheduledChunk]:
         return [
             ScheduledChunk(
                 token_ids=s.request.all_token_ids[s.start_pos : s.start_pos + s.num_new_tokens],
                 start_pos=s.start_pos,
-                block_ids=block_tables[s.request.request_id],
+                block_ids=tuple(t[s.request.request_id] for t in block_tables),
                 sample=s.samples,
             )
             for s in sched.scheduled
         ]
 
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, SampledToken]:
+    def execute(self, sched: SchedulerOutput, block_tables: GroupTables) -> dict[str, SampledToken]:
         chunks = self.prepare(sched, block_tables)
         requests = [s.request for s, c in zip(sched.scheduled, chunks) if c.sample]
         out = self.run(chunks, self._sampling_metadata(requests), self._table(sched, chunks))
         return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
 
     def launch(
-        self, sched: SchedulerOutput, block_tables: dict[str, list[int]], input_ids: torch.Tensor | None = None,
+        self, sched: SchedulerOutput, block_tables: GroupTables, input_ids: torch.Tensor | None = None,
     ) -> PendingStep | None:
         """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the
         engine can launch the next step before reading them (async scheduling). input_ids: the step's input
@@ -114,7 +120,7 @@ class ModelRunner:
             if not all(c.sample for c in chunks):
                 return None
         else:  # the input token is the previous step's output: a placeholder here, the device copy below
-            chunks = [ScheduledChunk([0], s.start_pos, block_tables[s.request.request_id], True)
+            chunks = [ScheduledChunk([0], s.start_pos, tuple(t[s.request.request_id] for t in block_tables), True)
                       for s in sched.scheduled]
         with torch.inference_mode():
             logits = self._logits(chunks, self._table(sched, chunks), input_ids)
@@ -130,31 +136,34 @@ class ModelRunner:
             stop_token_ids=[r.stop_token_ids for r in requests],
         )
 
-    def _table(self, sched: SchedulerOutput, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        if self.block_table is None:
+    def _table(self, sched: SchedulerOutput, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ...] | None:
+        if self.block_tables is None:
             return None
-        return self.block_table.gather(
-            [s.request.request_id for s in sched.scheduled], [c.block_ids for c in chunks],
-            [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks])
+        rids = [s.request.request_id for s in sched.scheduled]
+        widths = [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks]
+        return tuple(buffer.gather(rids, [c.block_ids[g] for c in chunks], widths)
+                     for g, buffer in enumerate(self.block_tables))
 
     @torch.inference_mode()
     def run(
-        self, chunks: list[ScheduledChunk], meta: SamplingMetadata, block_table: torch.Tensor | None = None,
+        self, chunks: list[ScheduledChunk], meta: SamplingMetadata,
+        block_tables: tuple[torch.Tensor, ...] | None = None,
     ) -> SamplerOutput:
         """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk.
-        block_table: the step's [chunks, blocks] host table when the caller keeps one (else built here)."""
-        logits = self._logits(chunks, block_table)
+        block_tables: the step's [chunks, blocks] host table per group when the caller keeps them."""
+        logits = self._logits(chunks, block_tables)
         return SamplerOutput([], []) if logits is None else self.sampler(logits, meta)
 
     def _logits(
-        self, chunks: list[ScheduledChunk], block_table: torch.Tensor | None, input_ids: torch.Tensor | None = None,
+        self, chunks: list[ScheduledChunk], block_tables: tuple[torch.Tensor, ...] | None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the chunks' tokens."""
         if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.graphs.run(chunks, block_table, input_ids)
-        inputs = build_step_inputs(chunks, self.block_size, self.device, block_table)
+            return self.graphs.run(chunks, None if block_tables is None else block_tables[0], input_ids)
+        inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows)
         ids = inputs.input_ids if input_ids is None else input_ids
-        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
         if not inputs.sampled_rows:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
