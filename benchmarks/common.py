@@ -24,6 +24,11 @@ MODELS: dict[str, dict[str, Any]] = {
     # Narrow, for the 32K-token measurements (memory, stalls) that must finish in minutes on 2 cores.
     "qwen3-256": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=32768),
+    # Qwen3-MoE with qwen3-512's attention and as many active MLP weights per token (4 of 16 experts of 384).
+    "qwen3-moe-512": dict(arch="qwen3_moe", vocab_size=32000, hidden_size=512, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1536,
+                          moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                          max_position_embeddings=32768),
     # For debugging the scripts.
     "tiny": dict(vocab_size=12000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=32768),
@@ -47,7 +52,7 @@ def build_model(name: str) -> str:
         return str(out)
     spec = dict(MODELS[name])
     vocab = spec.pop("vocab_size")
-    build_checkpoint(out, "qwen3", vocab_size=min(vocab, 11000), seed=0, **spec)
+    build_checkpoint(out, spec.pop("arch", "qwen3"), vocab_size=min(vocab, 11000), seed=0, **spec)
     tok = AutoTokenizer.from_pretrained(out)
     if vocab > len(tok):
         tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab)])
@@ -73,8 +78,9 @@ def set_budget(core: Any, budget: int) -> None:
 
 def model_facts(model_dir: str) -> dict[str, Any]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "intermediate_size", "max_position_embeddings")
+    keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_local_experts",
+            "num_experts_per_tok", "max_position_embeddings")
     return {k: cfg.get(k) for k in keys}
 
 

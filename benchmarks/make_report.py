@@ -108,6 +108,23 @@ def offline(r: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def offline_moe(r: dict[str, Any]) -> list[str]:
+    """The Qwen3-MoE row beside section 1: the same workload shape and engines, on a mixture-of-experts model."""
+    w, cfg, m = r["workload"], r["model_config"], r["machine"]
+    lines = ["### Qwen3-MoE", "",
+             f"Reproduce: `OMP_NUM_THREADS={m.get('OMP_NUM_THREADS') or ''} {r['command']}`", "",
+             f"Model `{r['model']}`: Qwen3-MoE, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+             f"{cfg['num_local_experts']} experts of {cfg['moe_intermediate_size']}, top {cfg['num_experts_per_tok']} "
+             f"per token, random weights, fp32; {w['num_prompts']} requests per repeat, prompts in "
+             f"{w['input_len']}, outputs in {w['output_len']}.", ""]
+    rows = [[n, x["requests_per_s"], x["output_tok_per_s"], x["total_tok_per_s"]]
+            for n, x in r["median_run"].items()]
+    lines += table(["engine", "req/s", "output tok/s", "total tok/s"], rows) + [""]
+    for k, v in r["ratios"].items():
+        lines.append(f"- {k}: median {v['median']:.2f}x (per repeat {', '.join(f'{x:.2f}' for x in v['per_repeat'])})")
+    return lines + [""]
+
+
 def memory(r: dict[str, Any]) -> list[str]:
     rows = [[x["prompt_tokens"], x.get("ladle_peak_mib", float("nan")), x.get("ladle_predicted_mib", float("nan")),
              x.get("hf_peak_mib", float("nan")), x["hf_kv_cache_mib"]] for x in r["rows"]]
@@ -226,7 +243,7 @@ def serve(r: dict[str, Any]) -> list[str]:
 
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
-    ("offline_throughput", offline), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
+    ("offline_throughput", offline), ("offline_throughput_moe", offline_moe), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("serve_sweep", serve)]
 
 
