@@ -3,7 +3,8 @@
 The experts of a layer are one `w13 [E, 2I, H]` (gate rows, then up rows) and one `w2 [E, H, I]`, filled at
 load from the checkpoint's per-expert `experts.{j}.{gate,up,down}_proj.weight` (vLLM's FusedMoE layout). The
 torch path groups a step's tokens by expert and runs one matmul pair per expert that has tokens, adding the
-weighted results in expert order, as HF transformers does, so fp32 outputs match it.
+weighted results in expert order, as HF transformers does, so fp32 outputs match it. On CUDA the experts run
+as Triton grouped GEMMs over expert-sorted blocks (ladle.worker.triton_moe).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ladle.models.layers import use_triton_ops
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +48,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
+        if use_triton_ops(x):
+            from ladle.worker import triton_moe  # CUDA only: grouped GEMMs, no host sync (graph-safe)
+
+            return triton_moe.fused_experts(x, self.w13, self.w2, weights, ids)
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
