@@ -28,13 +28,13 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     per_seq = -(-(context + 1) // ec.block_size)
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * max(batches), ec.device)
     t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device)
+    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device, core.runner.backends[0])
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
 
     def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, ec.block_size, ec.device)
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=core.runner.backends)
         return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
 
     for b in batches:
@@ -58,8 +58,8 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
 
 def kernel_check(device: torch.device, small: bool) -> dict:
     """The Triton kernels against the CPU fp32 torch reference at the 8B head shape, on a mixed step."""
-    from ladle.worker import attention as reference
-    from ladle.worker import triton_attention
+    from ladle.attention import torch_ref as reference
+    from ladle.attention import triton_attention
     from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 
     res: dict[str, Any] = {}
@@ -123,8 +123,8 @@ def kernel_speed(device: torch.device) -> dict:
     """Attention alone at the 8B head shape: a long prefill chunk (TFLOP/s) and a wide decode (GB/s of KV
     read), for the default tiles and a few others, so the next round can retune without a sweep; and a
     lone long decode with the automatic split-KV path against one pass (num_splits=1)."""
-    from ladle.worker import triton_attention as ta
-    from ladle.worker.triton_decode import num_splits_for
+    from ladle.attention import triton_attention as ta
+    from ladle.attention.triton_decode import num_splits_for
 
     dim = 128
     cases = {"prefill_8192_at_8192": [(8192, 8192)], "decode_256_at_2048": [(2047, 1)] * 256}

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ladle.worker.block_table import BlockTableBuffer
+from ladle.attention.backends import TorchAttention
 from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 
@@ -46,7 +47,7 @@ def measure(batch: int, context: int) -> list[float]:
     chunks = [ScheduledChunk([7], context, tables[i], True) for i in range(batch)]
     ids, widths = [f"r{i}" for i in range(batch)], [blocks] * batch
     buffer = BlockTableBuffer(2 * batch, MAX_MODEL_LEN // BLOCK)
-    graphs = DecodeGraphs(torch.nn.Module(), [], BLOCK, MAX_MODEL_LEN, batch, torch.device("cpu"))
+    graphs = DecodeGraphs(torch.nn.Module(), [], BLOCK, MAX_MODEL_LEN, batch, torch.device("cpu"), TorchAttention())
     return [
         median_ms(lambda: build_step_inputs(chunks, BLOCK)),
         median_ms(lambda: build_step_inputs(chunks, BLOCK, "cpu", (buffer.gather(ids, tables, widths),))),

@@ -70,15 +70,15 @@ def test_plan_reserves_graph_memory() -> None:
                     lambda n, v, r: v)
 
 
-def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) -> None:
     """The runner sends decode-only steps through DecodeGraphs (eager replay of the padded buffers on CPU),
     with async scheduling on:
     batches of 1..5 decodes pad up to 1/2/4/8 rows, and the tokens equal the plain path's. Padding rows
     (slot -1, context 0) are the Triton kernels' contract, so attention and the fused ops run here in
     Triton's interpreter: everything the CUDA engine runs except the capture itself."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
-    from ladle.models import layers
-    from ladle.worker import triton_attention
+    from ladle.attention.backends import TritonAttention
+    from ladle.models.ops import TritonOps, set_ops
 
     batch = prompts(5, seed=7)
     short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # the interpreter is slow: few steps
@@ -87,11 +87,12 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, mo
     # Built (and profiled) before the interpreter is in; async scheduling feeds most steps' input tokens to
     # the graph buffers straight from the previous step's device tensor.
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, async_scheduling=True)
-    monkeypatch.setattr(layers, "paged_attention", triton_attention.paged_attention)
-    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)  # the whole CUDA code path but capture
     runner = llm.engine.core.runner
+    # The whole CUDA code path but capture: the Triton backend and fused ops, run by the interpreter.
+    set_ops(runner.model, TritonOps())
+    runner.backends = (TritonAttention(),)
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
-                          runner.device)
+                          runner.device, runner.backends[0])
     used: list[int] = []
     real_run = graphs.run
 

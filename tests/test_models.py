@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from ladle.models.loader import kv_cache_shape_params, load_model
 from ladle.models.registry import model_class_for
-from ladle.worker.attention import paged_attention, write_kv
+from ladle.attention.torch_ref import paged_attention, write_kv
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 
 ATOL = 1e-4

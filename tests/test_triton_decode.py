@@ -1,4 +1,4 @@
-"""The split-KV decode kernels (ladle.worker.triton_decode) against the torch reference.
+"""The split-KV decode kernels (ladle.attention.triton_decode) against the torch reference.
 
 As in test_triton_kernels.py: without a GPU the kernels run in Triton's interpreter on CPU tensors, so
 TRITON_INTERPRET=1 is set before ladle's Triton modules are imported, and sizes are tiny. Split counts go
@@ -23,9 +23,9 @@ from typing import Any  # noqa: E402
 
 from test_triton_kernels import TOLERANCE, Step  # noqa: E402
 
-from ladle.worker import triton_attention as kernels  # noqa: E402
-from ladle.worker import triton_decode  # noqa: E402
-from ladle.worker.inputs import AttentionMetadata  # noqa: E402
+from ladle.attention import triton_attention as kernels  # noqa: E402
+from ladle.attention import triton_decode  # noqa: E402
+from ladle.attention.metadata import AttentionMetadata  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 # Context lengths of the decodes: one token, either side of a page / key tile (16), and a long one.
@@ -123,7 +123,7 @@ def test_num_splits_for_depends_on_shapes_only() -> None:
 
 # Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-from ladle.worker import triton_decode as td
+from ladle.attention import triton_decode as td
 
 i32 = lambda *names: {n: "i32" for n in names}
 print("triton", triton.__version__)

@@ -19,9 +19,10 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
-from ladle.worker import attention as reference  # noqa: E402
-from ladle.worker import triton_attention as kernels  # noqa: E402
-from ladle.worker.inputs import AttentionMetadata, ScheduledChunk, build_step_inputs, slot_mapping_for  # noqa: E402
+from ladle.attention import torch_ref as reference  # noqa: E402
+from ladle.attention import triton_attention as kernels  # noqa: E402
+from ladle.attention.metadata import AttentionMetadata  # noqa: E402
+from ladle.worker.inputs import ScheduledChunk, build_step_inputs, slot_mapping_for  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
@@ -134,12 +135,13 @@ def pools(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.zeros(8, PAGE, 2, 16, device=device), torch.zeros(8, PAGE, 2, 16, device=device)) for _ in range(2)]
 
 
-def run_steps(model: torch.nn.Module, caches: list, steps: list[list[ScheduledChunk]]) -> list[torch.Tensor]:
+def run_steps(model: torch.nn.Module, caches: list, steps: list[list[ScheduledChunk]],
+              backend: object = None) -> list[torch.Tensor]:
     device = caches[0][0].device
     logits = []
     with torch.inference_mode():
         for chunks in steps:
-            inputs = build_step_inputs(chunks, PAGE, device)
+            inputs = build_step_inputs(chunks, PAGE, device, backends=(backend,) if backend else None)
             hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
             logits.append(model.compute_logits(hidden).cpu())
     return logits
@@ -154,35 +156,34 @@ PREFILL_STEPS = [
 DECODES = [ScheduledChunk([9], 37, TABLE_A, True), ScheduledChunk([4], 11, TABLE_B, True)]
 
 
-def test_model_forward_with_triton_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels (attention, and the fused
-    norms, q/k-norm + rope and SiLU-and-mul of ladle.worker.triton_ops) in place of the torch reference (on
-    CPU); its logits match the reference path's."""
-    from ladle.models import layers
+def test_model_forward_with_triton_attention() -> None:
+    """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels (the Triton attention
+    backend, and the fused norms, q/k-norm + rope and SiLU-and-mul of TritonOps) in place of the torch
+    reference (on CPU); its logits match the reference path's."""
+    from ladle.attention.backends import TritonAttention
+    from ladle.models.ops import TritonOps, set_ops
 
     model = tiny_qwen3()
     steps = PREFILL_STEPS + [DECODES]
     want = run_steps(model, pools(torch.device("cpu")), steps)
-    monkeypatch.setattr(layers, "paged_attention", kernels.paged_attention)
-    monkeypatch.setattr(layers, "use_triton_ops", lambda x: True)
-    got = run_steps(model.to(DEVICE), pools(DEVICE), steps)
+    got = run_steps(set_ops(model.to(DEVICE), TritonOps()), pools(DEVICE), steps, TritonAttention())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
 
 
-def test_decode_graph_buffers_pad_without_side_effects(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_graph_buffers_pad_without_side_effects() -> None:
     """The CUDA-graph decode path (captured on a GPU, eager on CPU): two decodes padded to a batch of 4 give
     the logits of a plain step, and the padding rows neither write KV (slot -1) nor read it (context 0)."""
-    from ladle.models import layers
+    from ladle.attention.backends import TritonAttention
     from ladle.worker.cuda_graphs import DecodeGraphs
 
-    monkeypatch.setattr(layers, "paged_attention", kernels.paged_attention)
+    backend = TritonAttention()
     model = tiny_qwen3().to(DEVICE)
     caches = pools(DEVICE)
-    run_steps(model, caches, PREFILL_STEPS)
-    want = run_steps(model, caches, [DECODES])[0]
+    run_steps(model, caches, PREFILL_STEPS, backend)
+    want = run_steps(model, caches, [DECODES], backend)[0]
     before = [(k.clone(), v.clone()) for k, v in caches]
-    graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE)
+    graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE, backend=backend)
     if ON_GPU:
         graphs.capture()
     assert graphs.sizes == (1, 2, 4) and graphs.bucket(3) == 4
@@ -199,7 +200,7 @@ def test_decode_graph_buffers_pad_without_side_effects(monkeypatch: pytest.Monke
 
 # Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-from ladle.worker import triton_attention as ta
+from ladle.attention import triton_attention as ta
 
 ptr = lambda t: dict(q=t, k_cache=t, v_cache=t, out=t, cu_seqlens_q="*i32", context_lens="*i32", block_tables="*i32")
 ints = {n: "i32" for n in ("num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",

@@ -15,7 +15,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
 from ladle.models.moe import FusedMoE, route  # noqa: E402
-from ladle.worker import triton_moe  # noqa: E402
+from ladle.kernels import triton_moe  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def test_fused_experts_match_the_torch_experts(tokens, top_k, num_experts, hidde
 
 def test_grouped_gemm_compiles_for_hopper():
     compile_for_sm90("""
-from ladle.worker.triton_moe import _grouped_gemm_kernel
+from ladle.kernels.triton_moe import _grouped_gemm_kernel
 for dtype in ("*bf16", "*fp16"):
     types = {"a": dtype, "b": dtype, "c": dtype, "weights": "*fp32", "sorted_ids": "*i32", "expert_ids": "*i32",
              "num_pairs": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_be": "i32",
@@ -76,11 +76,12 @@ print("compiled for sm_90")
 """)
 
 
-def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path, monkeypatch):
+def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path):
     """The whole Qwen3-MoE model with the CUDA code path's experts (interpreted here): same greedy tokens."""
     from ladle import LLM, SamplingParams
     from ladle.demo import build_checkpoint
-    from ladle.models import moe
+    from ladle.models.moe import FusedMoE as Experts
+    from ladle.models.ops import TritonOps
 
     path = build_checkpoint(tmp_path / "moe", "qwen3_moe", vocab_size=512, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
@@ -90,6 +91,8 @@ def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path, monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=32)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    monkeypatch.setattr(moe, "use_triton_ops", lambda x: True)
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=32, enable_prefix_caching=False)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
+    for m in experts:
+        m.ops = TritonOps()
+    assert experts and [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want

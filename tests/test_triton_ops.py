@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
 from ladle.models.layers import RMSNorm, apply_rotary
-from ladle.worker import triton_ops as ops
+from ladle.kernels import triton_ops as ops
 from sm90 import compile_for_sm90  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -161,7 +161,7 @@ def test_empty_batch() -> None:
 
 # Compiled for sm_90 by tests/sm90.py (prelude: imports and build()).
 _COMPILE_FOR_SM90 = """
-from ladle.worker import triton_ops as ops
+from ladle.kernels import triton_ops as ops
 
 _build = build
 

@@ -14,6 +14,7 @@ from ladle.engine.setup import load_and_plan
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.step_executor import RequestFailure, StepExecutor
+from ladle.attention.backends import select_backend
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ class EngineCore:
         # Room for every running request, and as many again for preempted ones coming back; one per group.
         tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
                   for _ in layout.groups]
-        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows)
+        backends = tuple(select_backend(cfg.device, g.spec) for g in layout.groups)
+        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends)
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ladle.attention.backends import select_backend
 from ladle.engine.memory import measure_peak
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.sampling_params import SamplingParams
-from ladle.worker.attention import CONTEXT_TILE
+from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.worker.inputs import ScheduledChunk
 from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
 from ladle.worker.sampler import SamplingMetadata
@@ -133,7 +134,8 @@ def _measure(
     # not matter).
     num_layers = max(layer for g in layout.groups for layer in g.layers) + 1
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device)
-    runner = ModelRunner(model, caches, block_size, device, windows=layout.windows)
+    runner = ModelRunner(model, caches, block_size, device, windows=layout.windows,
+                         backends=tuple(select_backend(device, g.spec) for g in layout.groups))
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:

@@ -16,6 +16,7 @@ from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_b
 from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
+from ladle.attention.backends import select_backend
 from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout, group_layers
 from ladle.models.decoder import layer_windows
 from ladle.models.loader import kv_cache_shape_params as kv_shape_of, load_config, load_model
@@ -79,9 +80,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     num_layers, num_kv_heads, head_dim = kv_shape_of(hf_config)
     layout = KVCacheLayout(group_layers([AttentionSpec(num_kv_heads, head_dim, dtype, w)
                                          for w in layer_windows(hf_config)]), args.block_size)
-    if device.type == "cuda" and (len(layout.groups) > 1 or layout.windows != (None,)):
-        raise ValueError("sliding-window attention runs on CPU only for now (the Triton kernels have no window "
-                         "yet); use device cpu")
+    for group in layout.groups:
+        select_backend(device, group.spec)  # fails now, with the reason, if a group has no backend here
 
     context = args.max_model_len or model_max
     points = _activation_profile(args, prov, model, hf_config, layout, device, context)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm
-from ladle.worker.inputs import AttentionMetadata
+from ladle.attention.metadata import AttentionMetadata
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

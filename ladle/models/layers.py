@@ -4,20 +4,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ladle.worker.attention import paged_attention
-from ladle.worker.inputs import AttentionMetadata
+from ladle.attention.metadata import AttentionMetadata
+from ladle.models.ops import ModelOps, TorchOps, apply_rotary  # noqa: F401 -- apply_rotary: for importers
 
 # Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def use_triton_ops(x: torch.Tensor) -> bool:
-    """Fused Triton kernels on CUDA; the torch ops (the HF-exact oracle) elsewhere. A function, so tests can
-    run the kernels in Triton's CPU interpreter by patching it."""
-    return x.is_cuda
 
 
 class RMSNorm(nn.Module):
@@ -25,17 +18,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: ModelOps = TorchOps()  # the loader sets the device's ops (ladle.models.ops.set_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton_ops(x):
-            from ladle.worker import triton_ops
-
-            return triton_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        # Normalise in fp32 and cast back before the weight multiply, exactly as HF does.
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def head_dim_of(config: Any) -> int:
@@ -95,17 +81,6 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
 class StackedLinear(nn.Linear):
     """Several checkpoint projections of the same input as one matmul (vLLM's QKVParallelLinear and
     MergedColumnParallelLinear): one launch instead of three or two, which matters most for decode steps.
@@ -139,15 +114,10 @@ class GatedMLP(nn.Module):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.ops: ModelOps = TorchOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if use_triton_ops(gate_up):
-            from ladle.worker import triton_ops  # CUDA only, so CPU installs never need triton
-
-            return self.down_proj(triton_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -168,6 +138,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.ops: ModelOps = TorchOps()
 
     def forward(
         self,
@@ -182,19 +153,11 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if use_triton_ops(x):
-            from ladle.worker import triton_ops
-
-            # One launch for both norms and both rotations, where torch takes about thirty.
-            q_w = None if self.q_norm is None else self.q_norm.weight
-            k_w = None if self.k_norm is None else self.k_norm.weight
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            q, k = triton_ops.qk_norm_rope(q, k, q_w, k_w, cos, sin, eps)
-        else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
+        q_w = None if self.q_norm is None else self.q_norm.weight
+        k_w = None if self.k_norm is None else self.k_norm.weight
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k = self.ops.qk_norm_rope(q, k, q_w, k_w, cos, sin, eps)
+        o = attn.backend(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -228,9 +191,4 @@ class DecoderLayer(nn.Module):
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), one kernel on CUDA."""
-    if use_triton_ops(x):
-        from ladle.worker import triton_ops
-
-        return triton_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-    total = residual + x
-    return norm(total), total
+    return norm.ops.add_rms_norm(x, residual, norm.weight, norm.eps)

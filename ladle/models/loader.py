@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ladle.models.layers import RotaryEmbedding, head_dim_of
+from ladle.models.ops import select_ops, set_ops
 from ladle.models.registry import model_class_for
 
 _SINGLE_FILE = "model.safetensors"
@@ -81,6 +82,7 @@ def load_model(
     with torch.device("meta"):
         model = model_cls(config)
     _materialize(model, device, dtype)
+    set_ops(model, select_ops(device))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32

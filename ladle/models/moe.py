@@ -1,20 +1,17 @@
 """Mixture-of-experts MLP: a top-k softmax router and the experts' weights stacked into two tensors.
 
 The experts of a layer are one `w13 [E, 2I, H]` (gate rows, then up rows) and one `w2 [E, H, I]`, filled at
-load from the checkpoint's per-expert `experts.{j}.{gate,up,down}_proj.weight` (vLLM's FusedMoE layout). The
-torch path groups a step's tokens by expert and runs one matmul pair per expert that has tokens, adding the
-weighted results in expert order, as HF transformers does, so fp32 outputs match it. On CUDA the experts run
-as Triton grouped GEMMs over expert-sorted blocks (ladle.worker.triton_moe).
+load from the checkpoint's per-expert `experts.{j}.{gate,up,down}_proj.weight` (vLLM's FusedMoE layout), and
+run by the model's ops (ladle.models.ops): grouped torch matmuls that match HF, or Triton grouped GEMMs.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ladle.models.layers import use_triton_ops
+from ladle.models.ops import ModelOps, TorchOps
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +32,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.ops: ModelOps = TorchOps()  # grouped torch matmuls, or the Triton grouped GEMMs on CUDA
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
@@ -48,27 +46,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
-        if use_triton_ops(x):
-            from ladle.worker import triton_moe  # CUDA only: grouped GEMMs, no host sync (graph-safe)
-
-            return triton_moe.fused_experts(x, self.w13, self.w2, weights, ids)
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            start += n
-            tokens = pairs // top_k
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[expert]) * flat_weights[pairs, None]
-            out.index_add_(0, tokens, h)
-        return out
+        return self.ops.fused_experts(x, self.w13, self.w2, weights, ids)
 
 
 class SparseMoeBlock(nn.Module):

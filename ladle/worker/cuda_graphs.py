@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.worker.inputs import AttentionMetadata, ScheduledChunk
+from ladle.attention.backends import AttentionBackend
+from ladle.attention.metadata import AttentionMetadata
+from ladle.worker.inputs import ScheduledChunk
 
 # Dense where batches are common, sparser above; each size costs one capture at startup.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -29,9 +31,10 @@ class _Captured:
 class DecodeGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-        max_model_len: int, max_batch: int, device: torch.device,
+        max_model_len: int, max_batch: int, device: torch.device, backend: AttentionBackend,
     ) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.backend = backend  # the model's one KV cache group's attention backend
         self.sizes = tuple(b for b in BATCH_SIZES if b < max_batch) + (max_batch,)
         n, self.width = max_batch, -(-max_model_len // block_size)
         # Static buffers: a graph reads them at fixed addresses, so each step copies its inputs in.
@@ -61,7 +64,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], cu_seqlens_q=self.cu_seqlens_q[: n + 1],
             context_lens=self.context_lens[:n], block_tables=self.block_tables[:n],
-            query_lens=(1,) * n, context_lens_host=context_host, block_size=self.block_size,
+            query_lens=(1,) * n, context_lens_host=context_host, block_size=self.block_size, backend=self.backend,
         )
 
     def _forward(self, n: int, context_host: tuple[int, ...] | None = None) -> torch.Tensor:

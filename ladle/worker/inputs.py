@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ladle.attention.backends import AttentionBackend, TorchAttention
+from ladle.attention.metadata import AttentionMetadata
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -26,22 +29,6 @@ class ScheduledChunk:
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, tuple):
             object.__setattr__(self, "block_ids", (list(self.block_ids),))
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
-    cu_seqlens_q: torch.Tensor  # [B+1] int32: new tokens of request i are rows cu[i]:cu[i+1]
-    context_lens: torch.Tensor  # [B] int32: KV length of request i after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
-    query_lens: tuple[int, ...]  # host copies, so a CPU backend can loop without device syncs
-    context_lens_host: tuple[int, ...]
-    block_size: int
-    sliding_window: int | None = None  # a query at position p reads keys (p - W, p] only
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
 
 
 @dataclass(frozen=True)
@@ -94,10 +81,13 @@ def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int =
 def build_step_inputs(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
     block_tables: tuple[torch.Tensor, ...] | None = None, windows: tuple[int | None, ...] = (None,),
+    backends: tuple[AttentionBackend, ...] | None = None,
 ) -> StepInputs:
     """block_tables: the step's [len(chunks), >= blocks needed] int32 host table per group, when the caller
     keeps the tables itself (ladle.worker.block_table); otherwise they are built from the chunks' block ids.
-    windows: each group's sliding window (None: full attention)."""
+    windows: each group's sliding window (None: full attention); backends: each group's attention backend,
+    chosen at startup (the torch reference when not given)."""
+    backends = backends or tuple(TorchAttention() for _ in windows)
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
     for c in chunks:
@@ -125,7 +115,7 @@ def build_step_inputs(
         groups.append(AttentionMetadata(
             slot_mapping=as_tensor(slot_mapping_for(chunks, block_size, g), torch.int64), cu_seqlens_q=cu_t,
             context_lens=context_t, block_tables=table, query_lens=query_lens, context_lens_host=tuple(context),
-            block_size=block_size, sliding_window=window,
+            block_size=block_size, sliding_window=window, backend=backends[g],
         ))
     return StepInputs(
         input_ids=as_tensor([t for c in chunks for t in c.token_ids], torch.int64),

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ladle.attention.backends import AttentionBackend, select_backend
 from ladle.engine.scheduler import SchedulerOutput
-from ladle.kv_cache.specs import KVCacheLayout
+from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout
 from ladle.outputs import Logprob
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.cuda_graphs import DecodeGraphs
@@ -64,7 +65,7 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
-        windows: tuple[int | None, ...] = (None,),
+        windows: tuple[int | None, ...] = (None,), backends: tuple[AttentionBackend, ...] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # one (K, V) pair per layer
@@ -73,12 +74,16 @@ class ModelRunner:
         # The engine's persistent host tables, one per KV cache group; None: built from each step.
         self.block_tables = block_tables
         self.windows = windows  # each KV cache group's sliding window (None: full attention)
+        # Each group's attention backend, chosen once at startup (ladle.attention.backends.select_backend).
+        self.backends = backends or tuple(select_backend(device, AttentionSpec(1, 1, torch.float32, w))
+                                          for w in windows)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
 
     def capture_graphs(self, max_model_len: int, max_batch: int) -> int:
         """Capture decode graphs for batches up to max_batch; returns the device memory they hold."""
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_batch, self.device)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_batch, self.device,
+                              self.backends[0])
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         graphs.capture()
@@ -161,7 +166,7 @@ class ModelRunner:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the chunks' tokens."""
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks, None if block_tables is None else block_tables[0], input_ids)
-        inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows)
+        inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows, self.backends)
         ids = inputs.input_ids if input_ids is None else input_ids
         hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
         if not inputs.sampled_rows:

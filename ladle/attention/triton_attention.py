@@ -12,7 +12,7 @@ A program finds its request by binary search over cu_seqlens_q on the device, so
 tensor shapes from the host: no device-to-host sync, and the launch can be captured in a CUDA graph.
 
 A decode-only step with too few (request, KV head) pairs to fill the GPU instead splits each context across
-programs (flash-decoding, ladle.worker.triton_decode): one program per pair would read a long context alone.
+programs (flash-decoding, ladle.attention.triton_decode): one program per pair would read a long context alone.
 
 CPU tensors mean Triton's interpreter is running (TRITON_INTERPRET=1, for tests without a GPU). Its dots
 on bfloat16 operands are wrong, so operands are upcast to fp32 there; on a GPU they stay in the model
@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ladle.worker.inputs import AttentionMetadata
-from ladle.worker.triton_decode import num_splits_for, split_kv_decode
-from ladle.worker.triton_tile import LOG2E, attend_kv_tile
+from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.triton_decode import num_splits_for, split_kv_decode
+from ladle.attention.triton_tile import LOG2E, attend_kv_tile
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def attention(
     onwards, and attends causally to its first context_lens[i] tokens through block_tables[i].
 
     A decode-only step whose requests x KV heads would leave the GPU mostly idle splits each context into
-    num_splits ranges (ladle.worker.triton_decode); None picks the count from the shapes (never on CPU),
+    num_splits ranges (ladle.attention.triton_decode); None picks the count from the shapes (never on CPU),
     1 forces the single-pass kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -218,6 +218,6 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     attn: AttentionMetadata, scale: float, tiles: TileConfig | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """The same contract as ladle.worker.attention.paged_attention: write this step's K/V, then attend."""
+    """The same contract as ladle.attention.torch_ref.paged_attention: write this step's K/V, then attend."""
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     return attention(q, k_cache, v_cache, attn, scale, tiles=tiles, num_splits=num_splits)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ladle.worker import triton_ops
+from ladle.kernels import triton_ops
 
 
 def moe_align_block_size(ids: torch.Tensor, block_m: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

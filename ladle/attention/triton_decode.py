@@ -1,6 +1,6 @@
 """Split-KV (flash-decoding) attention for decode-only steps.
 
-A decode has one query token per request, so the paged kernel of ladle.worker.triton_attention runs one
+A decode has one query token per request, so the paged kernel of ladle.attention.triton_attention runs one
 program per (request, KV head), each walking its whole context: at batch 1 on an 8-KV-head model that is 8
 programs on a 132-SM GPU, reading a 128K context serially. Here each (request, KV head) is cut into
 num_splits key ranges processed in parallel; each writes its normalised partial output and log-sum-exp
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ladle.worker.inputs import AttentionMetadata
-from ladle.worker.triton_tile import LOG2E, attend_kv_tile
+from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.triton_tile import LOG2E, attend_kv_tile
 
 # Not yet tuned on a GPU (benchmarks/gpu_kernels.py kernel_speed measures them). WAVES: programs per SM to
 # aim for, since one wave leaves SMs idle while the slowest programs finish; MAX_SPLITS bounds the merge's

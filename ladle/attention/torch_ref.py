@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ladle.worker.inputs import AttentionMetadata
+from ladle.attention.metadata import AttentionMetadata
 
 CONTEXT_TILE = 1024  # context tokens read from the pool per attention call
 DECODE_GROUP_TOKENS = 16384  # decodes x context tile gathered at once
@@ -217,15 +217,6 @@ def paged_attention(
 
     The new k/v are written to the cache first, so each request reads its own chunk back with its history.
     """
-    if q.device.type == "cuda":
-        # One Triton launch reads the pool through block tables: no gathered context, no host sync. Imported
-        # here so that CPU-only installs never need triton.
-        from ladle.worker import triton_attention
-
-        if attn.sliding_window is not None:
-            raise NotImplementedError("sliding-window attention has no Triton kernel yet; run on CPU")
-
-        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
     window = attn.sliding_window

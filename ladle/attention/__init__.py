@@ -1,0 +1,1 @@
+"""Attention: the step's metadata, the backends (torch reference, Triton) and their kernels."""

@@ -1,0 +1,25 @@
+"""What an attention backend needs to know about one step and one KV cache group."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: new tokens of request i are rows cu[i]:cu[i+1]
+    context_lens: torch.Tensor  # [B] int32: KV length of request i after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
+    query_lens: tuple[int, ...]  # host copies, so a CPU backend can loop without device syncs
+    context_lens_host: tuple[int, ...]
+    block_size: int
+    sliding_window: int | None = None  # a query at position p reads keys (p - W, p] only
+    # The backend the engine chose for this group at startup; the model's attention layers call it.
+    backend: Any = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)

@@ -1,0 +1,1 @@
+"""Triton kernels for the model's non-attention ops on CUDA (fused norms and activations, MoE experts)."""
