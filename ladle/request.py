@@ -4,13 +4,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ladle.outputs import Logprob
 from ladle.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the server's API process imports this module for RequestRejected, without torch
-    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -48,7 +44,6 @@ class Request:
     num_cached_tokens: int = 0  # of those, served by the prefix cache at the last admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
-    generator: torch.Generator | None = None  # set by the core on its device for seeded requests
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

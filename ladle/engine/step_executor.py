@@ -19,11 +19,17 @@ import torch
 
 from ladle.engine.scheduler import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
-from ladle.worker.model_runner import GroupTables, ModelRunner, SampledToken
+from ladle.worker.model_runner import ModelRunner, SampledToken
+from ladle.worker.payload import ChunkSpec
 
 logger = logging.getLogger("ladle")
 
 _OOM = (torch.OutOfMemoryError, MemoryError)
+
+
+def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
+    """The step as the runner sees it: request ids and positions, no live objects."""
+    return [ChunkSpec(s.request.request_id, s.start_pos, s.num_new_tokens, s.samples) for s in sched.scheduled]
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,8 @@ class StepResult:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, block_tables: GroupTables, min_tokens: int,
-                 device: torch.device, stats: EngineStats) -> None:
+    def __init__(self, runner: ModelRunner, min_tokens: int, device: torch.device, stats: EngineStats) -> None:
         self.runner = runner
-        self.block_tables = block_tables  # the KV manager's live dicts, one per group: request id -> block ids
         self.min_tokens = min_tokens  # an OOM retry never goes below this many tokens (one block)
         self.device = device
         self.stats = stats
@@ -51,13 +55,13 @@ class StepExecutor:
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
 
     def run(self, sched: SchedulerOutput) -> StepResult:
-        generators = [s.request.generator for s in sched.scheduled if s.request.generator is not None]
+        generators = self.runner.generators([s.request.request_id for s in sched.scheduled])
         states = [g.get_state() for g in generators]
         while True:
             try:
                 if self.before_execute is not None:
                     self.before_execute(sched)
-                return StepResult(self.runner.execute(sched, self.block_tables), sched)
+                return StepResult(self.runner.execute(chunk_specs(sched)), sched)
             except _OOM as e:
                 for g, state in zip(generators, states):
                     g.set_state(state)

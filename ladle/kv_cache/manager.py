@@ -134,13 +134,16 @@ class KVCacheManager:
         first give back the blocks before their window. False (and no change) if the pool is short."""
         if not computed_blocks and not self.has_sliding_window and request_id in self.groups[0].tables:
             # A running request in full-attention groups (every decode step): usually no block is due.
-            tables = [g.tables[request_id] for g in self.groups]
-            need = [self.blocks_for(num_tokens) - len(t) for t in tables]
-            if sum(n for n in need if n > 0) > self.pool.num_free:
+            blocks = -(-num_tokens // self.block_size)
+            need = sum(max(0, blocks - len(g.tables[request_id])) for g in self.groups)
+            if need == 0:
+                return True
+            if need > self.pool.num_free:
                 return False
-            for table, n in zip(tables, need):
-                if n > 0:
-                    table.extend(self.pool.allocate(n))
+            for g in self.groups:
+                table = g.tables[request_id]
+                if blocks > len(table):
+                    table.extend(self.pool.allocate(blocks - len(table)))
             return True
         return self._grow(request_id, [num_tokens] * len(self.groups), computed_blocks, num_computed, 0)
 

@@ -1,4 +1,8 @@
-"""Runs one scheduled step: builds the inputs, calls the model, samples. Nothing else calls the model."""
+"""Runs one scheduled step: builds the inputs, calls the model, samples. Nothing else calls the model.
+
+The runner keeps its own copy of every request it runs (tokens, sampling state, block tables), updated by
+the plain StateUpdate the engine sends each step (ladle.worker.payload); it never reads the engine's objects.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,21 +10,41 @@ from dataclasses import dataclass
 import torch
 
 from ladle.attention.backends import AttentionBackend, select_backend
-from ladle.engine.scheduler import SchedulerOutput
 from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout
 from ladle.outputs import Logprob
+from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+from ladle.worker.payload import ChunkSpec, StateUpdate
 from ladle.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-
-GroupTables = tuple[dict[str, list[int]], ...]  # the KV manager's block tables, one dict per group
 
 
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None
+
+
+@dataclass
+class RunnerRequest:
+    """The runner's copy of a request: its tokens, sampling state and block tables."""
+
+    prompt: list[int]
+    output: list[int]  # generated tokens (kept apart, so penalties read them without a copy each step)
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None  # seeded requests draw from their own, on the runner's device
+    tables: tuple[list[int], ...]  # per KV cache group; entries a window gave back may be stale (never read)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt[start : start + n]
+        return self.prompt[start:] + self.output[: start + n - p]
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int,
@@ -79,6 +103,7 @@ class ModelRunner:
                                           for w in windows)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.requests: dict[str, RunnerRequest] = {}
 
     def capture_graphs(self, max_model_len: int, max_batch: int) -> int:
         """Capture decode graphs for batches up to max_batch; returns the device memory they hold."""
@@ -90,61 +115,80 @@ class ModelRunner:
         self.graphs = graphs
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
-    def prepare(self, sched: SchedulerOutput, block_tables: GroupTables) -> list[ScheduledChunk]:
-        return [
-            ScheduledChunk(
-                token_ids=s.request.all_token_ids[s.start_pos : s.start_pos + s.num_new_tokens],
-                start_pos=s.start_pos,
-                block_ids=tuple(t[s.request.request_id] for t in block_tables),
-                sample=s.samples,
-            )
-            for s in sched.scheduled
-        ]
+    # ---- the runner's own copy of the requests, kept up to date by the engine's StateUpdate ----
 
-    def execute(self, sched: SchedulerOutput, block_tables: GroupTables) -> dict[str, SampledToken]:
-        chunks = self.prepare(sched, block_tables)
-        requests = [s.request for s, c in zip(sched.scheduled, chunks) if c.sample]
-        out = self.run(chunks, self._sampling_metadata(requests), self._table(sched, chunks))
-        return {r.request_id: SampledToken(tok, lp) for r, tok, lp in zip(requests, out.token_ids, out.logprobs)}
+    def apply(self, update: StateUpdate) -> None:
+        """Forget finished requests, take new (or resumed) ones, extend the others."""
+        for rid in update.finished:
+            self.requests.pop(rid, None)
+        for new in update.new_requests:
+            old = self.requests.get(new.request_id)
+            seed = new.sampling_params.seed
+            # A request back from preemption keeps its generator, so its draws go on where they stopped.
+            generator = old.generator if old is not None else (
+                None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+            n = new.num_prompt_tokens
+            self.requests[new.request_id] = RunnerRequest(
+                list(new.token_ids[:n]), list(new.token_ids[n:]), new.sampling_params, new.stop_token_ids,
+                generator, tuple(list(t) for t in new.block_ids))
+        for diff in update.diffs:
+            req = self.requests[diff.request_id]
+            req.output.extend(diff.new_token_ids)
+            for table, added in zip(req.tables, diff.new_block_ids):  # () when no group grew
+                table.extend(added)
 
-    def launch(
-        self, sched: SchedulerOutput, block_tables: GroupTables, input_ids: torch.Tensor | None = None,
-    ) -> PendingStep | None:
+    def generators(self, request_ids: list[str]) -> list[torch.Generator]:
+        """The seeded requests' generators among these (the engine rewinds them before retrying a step)."""
+        return [g for g in (self.requests[r].generator for r in request_ids) if g is not None]
+
+    def prepare(self, specs: list[ChunkSpec]) -> list[ScheduledChunk]:
+        chunks = []
+        for s in specs:
+            req = self.requests[s.request_id]
+            chunks.append(ScheduledChunk(req.tokens(s.start_pos, s.num_tokens), s.start_pos, req.tables, s.sample))
+        return chunks
+
+    def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
+        chunks = self.prepare(specs)
+        rids = [s.request_id for s in specs if s.sample]
+        out = self.run(chunks, self._sampling_metadata(rids), self._table(specs, chunks))
+        return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
+
+    def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the
         engine can launch the next step before reading them (async scheduling). input_ids: the step's input
         tokens when they are still on the device (the previous pending step's output). None when the step
         does not qualify (a prefill chunk, logprobs, penalties, min_tokens): the caller runs execute()."""
-        if not sched.scheduled or any(s.is_prefill or s.num_new_tokens != 1 for s in sched.scheduled):
+        # A step launched ahead samples every row; its specs cannot say so, as its input tokens are not known.
+        if not specs or any(s.num_tokens != 1 or not (s.sample or input_ids is not None) for s in specs):
             return None
-        requests = [s.request for s in sched.scheduled]
-        meta = self._sampling_metadata(requests)
+        rids = [s.request_id for s in specs]
+        meta = self._sampling_metadata(rids)
         if not self.sampler.deferrable(meta):
             return None
         if input_ids is None:
-            chunks = self.prepare(sched, block_tables)
-            if not all(c.sample for c in chunks):
-                return None
+            chunks = self.prepare(specs)
         else:  # the input token is the previous step's output: a placeholder here, the device copy below
-            chunks = [ScheduledChunk([0], s.start_pos, tuple(t[s.request.request_id] for t in block_tables), True)
-                      for s in sched.scheduled]
+            chunks = [ScheduledChunk([0], s.start_pos, self.requests[s.request_id].tables, True) for s in specs]
         with torch.inference_mode():
-            logits = self._logits(chunks, self._table(sched, chunks), input_ids)
+            logits = self._logits(chunks, self._table(specs, chunks), input_ids)
             assert logits is not None
-            return PendingStep([r.request_id for r in requests], self.sampler.sample(logits, meta))
+            return PendingStep(rids, self.sampler.sample(logits, meta))
 
-    def _sampling_metadata(self, requests: list) -> SamplingMetadata:
+    def _sampling_metadata(self, request_ids: list[str]) -> SamplingMetadata:
+        reqs = [self.requests[r] for r in request_ids]
         return SamplingMetadata(
-            params=[r.sampling_params for r in requests],
-            generators=[r.generator for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            stop_token_ids=[r.stop_token_ids for r in requests],
+            params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt for r in reqs],
+            output_token_ids=[r.output for r in reqs],
+            stop_token_ids=[r.stop_token_ids for r in reqs],
         )
 
-    def _table(self, sched: SchedulerOutput, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ...] | None:
+    def _table(self, specs: list[ChunkSpec], chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ...] | None:
         if self.block_tables is None:
             return None
-        rids = [s.request.request_id for s in sched.scheduled]
+        rids = [s.request_id for s in specs]
         widths = [-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks]
         return tuple(buffer.gather(rids, [c.block_ids[g] for c in chunks], widths)
                      for g, buffer in enumerate(self.block_tables))

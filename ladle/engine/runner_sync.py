@@ -1,0 +1,69 @@
+"""The engine side of the runner's copy of the requests: what the runner has been told of each one, so each
+step's StateUpdate carries only what changed (new or resumed requests whole, the others as diffs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ladle.engine.scheduler import SchedulerOutput
+from ladle.kv_cache.manager import KVCacheManager
+from ladle.worker.payload import NewRequest, RequestDiff, StateUpdate
+
+
+@dataclass
+class _Sent:
+    tokens: int  # leading tokens the runner has
+    blocks: list[int]  # leading blocks of each group's table it has
+    tables: tuple[list[int], ...]  # the KV manager's table objects they came from (new ones: re-admitted)
+
+
+class RunnerSync:
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+        self._finished: list[str] = []
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (any reason but preemption, which keeps the runner's copy for its return)."""
+        self._finished.append(request_id)
+        self._sent.pop(request_id, None)
+
+    def flush(self) -> StateUpdate:
+        """Only who finished: sent when the engine goes idle, so the runner holds no ended request meanwhile."""
+        update, self._finished = StateUpdate(finished=self._finished), []
+        return update
+
+    def update(self, sched: SchedulerOutput, kv: KVCacheManager) -> StateUpdate:
+        """What the runner needs before it runs `sched`: the requests it does not hold (or holds with an old
+        table, after a preemption) in full, the others' new tokens and blocks, and who finished meanwhile."""
+        update = StateUpdate(finished=self._finished)
+        self._finished = []
+        groups = kv.groups
+        for s in sched.scheduled:
+            req, rid = s.request, s.request.request_id
+            tokens = req.all_token_ids
+            seen = self._sent.get(rid)
+            if seen is None or not _same_tables(groups, rid, seen.tables):
+                tables = tuple(g.tables[rid] for g in groups)
+                update.new_requests.append(NewRequest(rid, list(tokens), req.num_prompt_tokens, req.sampling_params,
+                                                      req.stop_token_ids, tuple(list(t) for t in tables)))
+                self._sent[rid] = _Sent(len(tokens), [len(t) for t in tables], tables)
+                continue
+            # A decode step adds one token and, every block_size tokens, one block: build only what changed.
+            grew = False
+            for t, n in zip(seen.tables, seen.blocks):
+                grew = grew or len(t) > n
+            if len(tokens) == seen.tokens and not grew:
+                continue
+            new_blocks = tuple(t[n:] for t, n in zip(seen.tables, seen.blocks)) if grew else ()
+            update.diffs.append(RequestDiff(rid, tokens[seen.tokens :], new_blocks))
+            seen.tokens = len(tokens)
+            if grew:
+                seen.blocks = [len(t) for t in seen.tables]
+        return update
+
+
+def _same_tables(groups: list, rid: str, tables: tuple[list[int], ...]) -> bool:
+    """Whether the KV manager still holds the table objects the runner was sent (not after a preemption)."""
+    for g, t in zip(groups, tables):
+        if g.tables[rid] is not t:
+            return False
+    return True

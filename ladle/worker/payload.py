@@ -1,0 +1,52 @@
+"""What the engine core sends the model runner each step: plain, picklable data (vLLM's SchedulerOutput with
+NewRequestData and CachedRequestData). Never live Request objects or the KV manager's tables, so a worker in
+another process (tensor parallelism) can be fed the same way; the runner keeps its own copy of each request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ladle.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen, or one coming back after preemption (which keeps its generator)."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, then any tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and the params' stop token ids
+    block_ids: tuple[list[int], ...]  # its block table, per KV cache group
+
+
+class RequestDiff(NamedTuple):
+    """What a request the runner holds gained since its last payload. (A NamedTuple, as ChunkSpec: one of
+    each per request per step, and a frozen dataclass costs several times more to build.)"""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # appended to each group's table; () when none grew
+
+
+class ChunkSpec(NamedTuple):
+    """One request's share of a step."""
+
+    request_id: str
+    start_pos: int  # tokens already in the KV cache
+    num_tokens: int
+    sample: bool  # the chunk reaches the request's last known token, so a token is sampled
+
+
+@dataclass
+class StateUpdate:
+    """Applied once per step, before the step (or its retries) runs."""
+
+    new_requests: list[NewRequest] = field(default_factory=list)
+    diffs: list[RequestDiff] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # finished or aborted: the runner forgets them
+
+    def __bool__(self) -> bool:
+        return bool(self.new_requests or self.diffs or self.finished)
