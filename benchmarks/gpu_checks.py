@@ -109,15 +109,22 @@ def _hf_greedy(model: Any, prompt: list[int], new: int, device: torch.device) ->
 
 
 def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, Any]:
-    """The demo-model shape (fp32, peaked random weights) through the CUDA engine with CUDA graphs, a 128-token
-    step budget (so prompts prefill in chunks beside decodes) and the eager engine, against HF's greedy loop."""
+    """The demo-model shape (fp32, peaked random weights), and a Mistral of the same shape with a 48-token
+    sliding window, through the CUDA engine with CUDA graphs, a 128-token step budget (so prompts prefill in
+    chunks beside decodes) and the eager engine, against HF's greedy loop."""
+    models = {"demo": demo_model_kwargs(),
+              "mistral_window48": demo_model_kwargs() | dict(arch="mistral", sliding_window=48)}
+    res = {name: _model_vs_hf(device, workdir / f"check-{name}", kwargs, small) for name, kwargs in models.items()}
+    return res | {"ok": all(r["ok"] for r in res.values())}
+
+
+def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any], small: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ladle.config import EngineArgs
     from ladle.engine.core import EngineCore
 
-    path = workdir / "check-model"
-    build_checkpoint(path, **demo_model_kwargs())
+    build_checkpoint(path, **model_kwargs)
     rng = random.Random(0)
     lengths, new = ((5, 37, 60), 6) if small else ((5, 37, 150, 300, 700), 24)
     prompts = [[rng.randrange(8000) for _ in range(n)] for n in lengths]

@@ -15,7 +15,11 @@ def table(results: dict) -> str:
         elif name == "kernel_check":
             cells = [f"{k}: err {v['max_abs_err']:.1e} {'ok' if v['ok'] else 'FAIL'}" for k, v in res.items()
                      if isinstance(v, dict)]
-        elif name in ("ops_check", "engine_vs_hf"):
+        elif name == "engine_vs_hf":
+            cells = [f"ok={res['ok']}"] + [
+                f"{model}/{k}: {v['matching_prefix']}" for model, r in res.items() if isinstance(r, dict)
+                for k, v in r.items() if isinstance(v, dict)]
+        elif name == "ops_check":
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"
                 for k, v in res.items() if isinstance(v, dict)]

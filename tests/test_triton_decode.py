@@ -49,7 +49,7 @@ def pad_step(attn: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch
         block_tables=insert(attn.block_tables, torch.zeros(attn.block_tables.shape[1], dtype=torch.int32)),
         query_lens=(1,) * n,
         context_lens_host=attn.context_lens_host[:at] + (0,) + attn.context_lens_host[at:],
-        block_size=attn.block_size,
+        block_size=attn.block_size, sliding_window=attn.sliding_window,
     )
     return padded, insert(q, torch.full_like(q[0], 1e4)), insert(k, k[0]), insert(v, v[0])
 
@@ -76,6 +76,15 @@ def decode_step(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: i
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (10, 2)])
 def test_split_decode_matches_reference_fp32(num_splits: int, dim: int, heads: int, kv_heads: int) -> None:
     step = decode_step(heads, kv_heads, dim, torch.float32, seed=num_splits + dim + heads)
+    got = run_split(step, num_splits)
+    torch.testing.assert_close(got, step.reference()[0], atol=TOLERANCE[torch.float32][0], rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 16, 40])
+def test_split_decode_with_a_sliding_window(num_splits: int, window: int) -> None:
+    """The splits share the window's keys (the last W of each context), not the whole context."""
+    step = Step([(c - 1, 1) for c in CONTEXTS], 8, 2, 16, torch.float32, seed=window + num_splits, window=window)
     got = run_split(step, num_splits)
     torch.testing.assert_close(got, step.reference()[0], atol=TOLERANCE[torch.float32][0], rtol=0)
 
@@ -130,7 +139,7 @@ print("triton", triton.__version__)
 for dtype, group, prec in [("*bf16", 4, "tf32"), ("*bf16", 5, "tf32"), ("*fp32", 4, "ieee"), ("*fp32", 5, "ieee")]:
     ptrs = dict(q=dtype, k_cache=dtype, v_cache=dtype, part_out="*fp32", part_lse="*fp32", cu_seqlens_q="*i32",
                 context_lens="*i32", block_tables="*i32", qk_scale="fp32")
-    ints = i32("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt")
+    ints = i32("window", "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt")
     consts = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, UPCAST=False,
                   PRECISION=prec)
     c = build(td._split_kv_decode_kernel, dict(ptrs, **ints), consts, num_warps=4, num_stages=2)

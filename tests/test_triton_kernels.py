@@ -40,7 +40,8 @@ class Step:
     all on the CPU; the kernels get copies on DEVICE."""
 
     def __init__(self, requests: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                 seed: int = 0) -> None:
+                 seed: int = 0, window: int | None = None) -> None:
+        self.window = window
         g = torch.Generator().manual_seed(seed)
         self.k_cache, self.v_cache = ((3 * torch.randn(NUM_BLOCKS, PAGE, kv_heads, dim, generator=g)).to(dtype)
                                       for _ in range(2))
@@ -55,7 +56,7 @@ class Step:
         self.scale = dim**-0.5
 
     def attn(self, device: torch.device) -> AttentionMetadata:
-        return build_step_inputs(self.chunks, PAGE, device).attn
+        return build_step_inputs(self.chunks, PAGE, device, windows=(self.window,)).attn
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The torch reference in fp32 on the same (already rounded) values: output and the pools after."""
@@ -99,6 +100,16 @@ def test_mixed_step_low_precision(dtype: torch.dtype) -> None:
 def test_larger_tiles_cross_pages(tiles: kernels.TileConfig) -> None:
     """Key tiles wider than a page read several blocks per iteration; query tiles hold several tokens."""
     step = Step([(0, 37), (40, 1), (9, 20), (70, 1)], 8, 2, 16, torch.float32, seed=7)
+    torch.testing.assert_close(step.kernel(tiles)[0], step.reference()[0], atol=TOLERANCE[torch.float32][0], rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 20])
+def test_sliding_window_matches_reference(window: int) -> None:
+    """Windows shorter than a chunk, a page and a key tile, and longer: the kernel walks only the keys each
+    query's window reaches, masked to (p - W, p], as the torch reference does."""
+    step = Step(MIXED + [(40, 20), (90, 1)], 8, 2, 16, torch.float32, seed=window, window=window)
+    torch.testing.assert_close(step.kernel()[0], step.reference()[0], atol=TOLERANCE[torch.float32][0], rtol=0)
+    tiles = kernels.TileConfig(64, 32, 1, 1)  # key tiles wider than a page: the walk starts mid-tile
     torch.testing.assert_close(step.kernel(tiles)[0], step.reference()[0], atol=TOLERANCE[torch.float32][0], rtol=0)
 
 
@@ -203,7 +214,7 @@ _COMPILE_FOR_SM90 = """
 from ladle.attention import triton_attention as ta
 
 ptr = lambda t: dict(q=t, k_cache=t, v_cache=t, out=t, cu_seqlens_q="*i32", context_lens="*i32", block_tables="*i32")
-ints = {n: "i32" for n in ("num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
+ints = {n: "i32" for n in ("num_seqs", "window", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
                            "stride_cs", "stride_ch", "stride_bt")}
 for dtype, group, dim, m, n, prec in [("*bf16", 4, 128, 64, 64, "tf32"), ("*bf16", 5, 128, 16, 64, "tf32"),
                                       ("*fp32", 4, 64, 64, 32, "ieee")]:

@@ -28,12 +28,12 @@ class TorchAttention:
 
 class TritonAttention:
     """CUDA: one Triton launch per layer reads the pool through the block tables (no gathered context, no host
-    sync; split-KV for small decode batches). Full attention only, for now."""
+    sync; split-KV for small decode batches), full or sliding-window attention."""
 
     name = "triton"
 
     def supports(self, spec: AttentionSpec) -> bool:
-        return spec.sliding_window is None
+        return True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -51,6 +51,5 @@ def select_backend(device: torch.device, spec: AttentionSpec) -> AttentionBacken
         return TorchAttention()
     backend = TritonAttention()
     if not backend.supports(spec):
-        raise ValueError(f"no CUDA attention backend for {spec.describe()} yet (the Triton kernels have no "
-                         "sliding window); use device cpu")
+        raise ValueError(f"no CUDA attention backend for {spec.describe()} yet; use device cpu")
     return backend

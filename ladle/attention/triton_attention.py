@@ -113,7 +113,7 @@ def _find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
@@ -148,13 +148,17 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Keys up to the last query of this tile; causality inside the chunk is the pos mask below.
+        # Keys up to the last query of this tile; causality inside the chunk is the pos mask below. With a
+        # sliding window (0: none) a query at p sees keys (p - window, p], so the walk starts at the first
+        # query's window, and keys before it are never loaded (their blocks may be given back).
         last = offset + tl.minimum((tile + 1) * BLOCK_Q, q_len)
+        win = tl.where(window > 0, window, 1 << 30)
+        first = tl.maximum(offset + tile * BLOCK_Q - win + 1, 0)
         table = block_tables + seq.to(tl.int64) * stride_bt
-        for start in range(0, last, BLOCK_N):
+        for start in range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
             kn = start + tl.arange(0, BLOCK_N)
-            k_ok = kn < last
-            visible = k_ok[None, :] & (kn[None, :] <= pos[:, None])
+            k_ok = (kn < last) & (kn >= first)
+            visible = k_ok[None, :] & (kn[None, :] <= pos[:, None]) & (kn[None, :] > pos[:, None] - win)
             m_i, l_i, acc = attend_kv_tile(qt, m_i, l_i, acc, k_cache, v_cache, table, kn, k_ok, visible, kv_head,
                                            d, d_ok, qk_scale, stride_cb, stride_cs, stride_ch, PAGE, UPCAST, PRECISION)
 
@@ -171,7 +175,8 @@ def attention(
     """q [T, H, D] of this step's tokens, whose K/V are already in the pool -> output [T, H, D] in q's dtype.
 
     Request i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1], at positions context_lens[i] - q_len
-    onwards, and attends causally to its first context_lens[i] tokens through block_tables[i].
+    onwards, and attends causally to its first context_lens[i] tokens through block_tables[i] (with
+    attn.sliding_window W, a query at p to keys (p - W, p] only).
 
     A decode-only step whose requests x KV heads would leave the GPU mostly idle splits each context into
     num_splits ranges (ladle.attention.triton_decode); None picks the count from the shapes (never on CPU),
@@ -198,13 +203,14 @@ def attention(
         if splits > 1:
             return split_kv_decode(q, k_cache, v_cache, attn, scale, splits, out, block_n=tiles.block_n,
                                    num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    window = attn.sliding_window or 0
     block_q = tiles.block_m // group
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16  # CPU tensors: the interpreter is running
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     grid = (num_tokens // block_q + num_seqs, kvh)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, attn.cu_seqlens_q, attn.context_lens, attn.block_tables,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), attn.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,

@@ -42,7 +42,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> in
 @triton.jit(do_not_specialize=["stride_bt"])
 def _split_kv_decode_kernel(
     q, k_cache, v_cache, part_out, part_lse, cu_seqlens_q, context_lens, block_tables,
-    qk_scale, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    qk_scale, window, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -54,9 +54,11 @@ def _split_kv_decode_kernel(
     num_splits = tl.num_programs(2)
     num_heads = tl.num_programs(1) * GROUP
     ctx = tl.load(context_lens + seq)
+    # The keys the query (the last token) sees: all of them, or the window's (0: none) last `window`.
+    start0 = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     # Whole key tiles per split, so no tile straddles two splits and every split but the last is full.
-    part = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * part
+    part = tl.cdiv(tl.cdiv(ctx - start0, num_splits), BLOCK_N) * BLOCK_N
+    lo = start0 + split * part
     hi = tl.minimum(lo + part, ctx)
 
     rows = tl.arange(0, BLOCK_M)
@@ -143,7 +145,7 @@ def split_kv_decode(
     block_d = triton.next_power_of_2(head_dim)
     _split_kv_decode_kernel[(num_seqs, kvh, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, attn.cu_seqlens_q, attn.context_lens, attn.block_tables,
-        scale * LOG2E, q.stride(0), q.stride(1),
+        scale * LOG2E, attn.sliding_window or 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), attn.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or _default_block_n(head_dim, q.device),
