@@ -29,6 +29,11 @@ MODELS: dict[str, dict[str, Any]] = {
                           num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1536,
                           moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
                           max_position_embeddings=32768),
+    # Qwen3.5 with qwen3-512's width: 6 Gated DeltaNet layers and 2 gated full-attention layers (every 4th).
+    "qwen3.5-512": dict(arch="qwen3_5", vocab_size=32000, hidden_size=512, num_hidden_layers=8,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1536,
+                        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                        linear_value_head_dim=64, tie_word_embeddings=False, max_position_embeddings=32768),
     # For debugging the scripts.
     "tiny": dict(vocab_size=12000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=32768),

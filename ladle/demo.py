@@ -140,11 +140,12 @@ def build_checkpoint(
     """
     import torch
     from transformers import (
-        AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig,
+        AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+        Qwen3Config, Qwen3MoeConfig,
     )
 
     config_classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
-                      "mistral": MistralConfig}
+                      "mistral": MistralConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
     if arch not in config_classes:
         raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
     out = Path(out_dir)

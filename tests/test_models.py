@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from ladle.models.loader import kv_cache_shape_params, load_model
+from ladle.kv_cache.specs import AttentionSpec
+from ladle.models.loader import load_model
 from ladle.models.registry import model_class_for
 from ladle.attention.torch_ref import paged_attention, write_kv
 from ladle.worker.inputs import ScheduledChunk, build_step_inputs
@@ -70,9 +71,9 @@ class Pair:
             return self.hf(torch.tensor([ids])).logits[0].float()
 
     def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        layers, kvh, hd = kv_cache_shape_params(self.config)
-        shape = (NUM_BLOCKS, BLOCK_SIZE, kvh, hd)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(layers)]
+        specs = self.model.cache_specs(torch.float32)
+        return [(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
+                 torch.zeros(NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads, s.head_dim)) for s in specs]
 
     def step(self, chunks: list[ScheduledChunk], caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run one step and return the logits of every row."""
@@ -106,7 +107,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def test_config_and_checkpoint_shape(pair: Pair) -> None:
     files = {p.name for p in pair.path.iterdir()}
     assert ("model.safetensors.index.json" in files) == ("sharded" in pair.path.name)
-    assert kv_cache_shape_params(pair.config) == (2, 2, 16)
+    assert pair.model.cache_specs(torch.float32) == [AttentionSpec(2, 16, torch.float32)] * 2
     assert (pair.model.lm_head is None) == pair.config.tie_word_embeddings
     if "llama3" in pair.path.name:  # the scaled table really differs from plain rope
         plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))

@@ -23,3 +23,18 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """What a layer with a per-request state (ladle.kv_cache.specs.StateSpec) needs about one step: each
+    request's slot in the state tensors, its rows, and whether it continues a state or starts afresh."""
+
+    slots: torch.Tensor  # [B] int64, on the device
+    slots_host: tuple[int, ...]
+    cu_seqlens_host: tuple[int, ...]  # [B+1]: the new tokens of request i are rows cu[i]:cu[i+1]
+    has_initial_state: tuple[bool, ...]  # False for a request's first chunk: its state starts at zero
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots_host)

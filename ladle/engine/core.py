@@ -58,15 +58,18 @@ class EngineCore:
         self.hf_config = hf_config
         self.eos_token_ids = eos_token_ids(args.model, hf_config)
         layout = cfg.kv_layout
+        # A model with state layers keeps one state slot per running request (the plan reserved them).
+        slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                                 windows=layout.windows)
+                                 windows=layout.windows, num_state_slots=slots)
         self.scheduler = Scheduler(cfg, self.kv)
-        caches = allocate_kv_caches(layout, hf_config.num_hidden_layers, cfg.num_kv_blocks, cfg.device)
+        caches = allocate_kv_caches(layout, hf_config.num_hidden_layers, cfg.num_kv_blocks, cfg.device, slots)
         # Room for every running request, and as many again for preempted ones coming back; one per group.
         tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
                   for _ in layout.groups]
         backends = tuple(select_backend(cfg.device, g.spec) for g in layout.groups)
-        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends)
+        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
+                                  tuple(g.layers for g in layout.state_groups))
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:
@@ -152,6 +155,7 @@ class EngineCore:
             if pending is None:
                 result = self.executor.run(sched)
                 self._record(result.sched, (time.perf_counter() - start) * 1000)
+                self.scheduler.restart([r for r in map(self.scheduler.find, result.restarted) if r is not None])
                 failed = [self._end_with_error(f) for f in result.failures]
                 return self._end_step(sched, failed + self._update(result.sched, result.sampled))
         nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
@@ -182,6 +186,7 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.sync.finished(req.request_id)
+        self.executor.forget(req.request_id)
 
     def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:
         req = self.scheduler.find(failure.request_id)

@@ -31,6 +31,12 @@ class PlanInputs:
     activation: ActivationModel
     graph_bytes: int = 0  # the CUDA graphs' private memory pool, held apart from eager steps' activations
     windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window (None: full attention)
+    state_bytes: int = 0  # state layers' slots, one per running request (max_num_seqs x bytes per request)
+
+    @property
+    def reserved(self) -> int:
+        """Held for good beside the KV pool: CUDA graphs' pool and the state slots."""
+        return self.graph_bytes + self.state_bytes
 
     @property
     def margin(self) -> int:
@@ -49,7 +55,7 @@ class PlanInputs:
 
     def room(self) -> int:
         """Bytes left for KV pool and activations."""
-        return self.budget - self.weights - self.margin - self.graph_bytes
+        return self.budget - self.weights - self.margin - self.reserved
 
     def fits(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> bool:
         blocks = self.request_blocks(max_model_len, tokens) if kv_blocks is None else kv_blocks
@@ -57,7 +63,7 @@ class PlanInputs:
 
     def need(self, tokens: int, max_model_len: int, kv_blocks: int | None = None) -> int:
         blocks = self.request_blocks(max_model_len, tokens) if kv_blocks is None else kv_blocks
-        return (self.weights + self.margin + self.graph_bytes + self.activation.predict(tokens, max_model_len)
+        return (self.weights + self.margin + self.reserved + self.activation.predict(tokens, max_model_len)
                 + blocks * self.block_bytes)
 
     def largest_tokens(self, max_model_len: int, kv_blocks: int | None = None, step: int = STEP) -> int:
@@ -110,7 +116,7 @@ class MemoryPlan:
     @property
     def headroom(self) -> int:
         i = self.inputs
-        return i.budget - i.weights - self.kv_pool_bytes - self.activation_peak - i.margin - i.graph_bytes
+        return i.budget - i.weights - self.kv_pool_bytes - self.activation_peak - i.margin - i.reserved
 
     def lines(self) -> list[str]:
         i = self.inputs
@@ -123,6 +129,8 @@ class MemoryPlan:
             f"activation peak   {self.activation_peak / MiB:10.1f} MiB  (predicted: a step of "
             f"{self.max_num_batched_tokens} tokens at context {self.max_model_len})",
             *(graphs if i.graph_bytes else []),
+            *([f"state slots       {i.state_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} slots, one per running "
+               f"request, {format_bytes(i.state_bytes // i.max_num_seqs)} each)"] if i.state_bytes else []),
             f"margin            {i.margin / MiB:10.1f} MiB",
             f"headroom          {self.headroom / MiB:10.1f} MiB",
             f"activation model  {i.activation.describe()}",
@@ -200,7 +208,7 @@ def plan_memory(
     chunk = put("max_prefill_length", chunk_t, "") if chunk_t is not None else put(
         "max_prefill_length", tokens, "the step budget: one request may fill a step")
 
-    fixed = inputs.weights + inputs.margin + inputs.graph_bytes + inputs.activation.predict(tokens, max_len)
+    fixed = inputs.weights + inputs.margin + inputs.reserved + inputs.activation.predict(tokens, max_len)
     most = max(0, (inputs.budget - fixed) // inputs.block_bytes)
     if "num_kv_blocks" in explicit:
         blocks = explicit["num_kv_blocks"]

@@ -132,17 +132,20 @@ def _measure(
     num_blocks = -(-max_context // block_size)
     # A scratch pool for one max_context sequence; decodes and every group share its block table (values do
     # not matter).
-    num_layers = max(layer for g in layout.groups for layer in g.layers) + 1
-    caches = allocate_kv_caches(layout, num_layers, num_blocks, device)
+    num_layers = layout.num_layers
+    # A state slot per decode row (prefills use slot 0), as the engine's one slot per running request.
+    caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
     runner = ModelRunner(model, caches, block_size, device, windows=layout.windows,
-                         backends=tuple(select_backend(device, g.spec) for g in layout.groups))
+                         backends=tuple(select_backend(device, g.spec) for g in layout.groups),
+                         state_groups=tuple(g.layers for g in layout.state_groups))
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:
         if kind == "prefill":
-            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True)], _meta(1, ctx, vocab_size)
+            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True, 0)], _meta(1, ctx, vocab_size)
         else:
-            chunks, meta = [ScheduledChunk([0], ctx - 1, blocks, True)] * n, _meta(n, ctx, vocab_size)
+            chunks = [ScheduledChunk([0], ctx - 1, blocks, True, i) for i in range(n)]
+            meta = _meta(n, ctx, vocab_size)
         return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta), device))
 
     points = [measure("prefill", t, ctx) for t in token_counts for ctx in sorted({t, max_context})]

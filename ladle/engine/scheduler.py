@@ -211,6 +211,12 @@ class Scheduler:
                 return False
         return True
 
+    def restart(self, reqs: list[Request]) -> None:
+        """Recompute these running requests from their first token, ahead of the queue in their order (their
+        per-request state was lost in a failed step)."""
+        for req in reversed(reqs):
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the generated tokens, go to the front of the queue."""
         self.running.remove(req)

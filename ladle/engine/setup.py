@@ -17,9 +17,8 @@ from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import select_backend
-from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout, group_layers
-from ladle.models.decoder import layer_windows
-from ladle.models.loader import kv_cache_shape_params as kv_shape_of, load_config, load_model
+from ladle.kv_cache.specs import KVCacheLayout
+from ladle.models.loader import load_config, load_model
 
 
 @dataclass
@@ -57,6 +56,27 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
     return points
 
 
+def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int,
+                  prefix_caching: bool) -> tuple[int, bool]:
+    """What a model with per-request state layers cannot use yet: a prefix hit would skip tokens whose state
+    no snapshot holds, and the state layers have no graph-safe path. Explicit requests for either are refused;
+    the defaults are derived off, with the reason."""
+    layers = sum(len(g.layers) for g in layout.state_groups)
+    kind = layout.state_groups[0].spec.kind
+    if prefix_caching:
+        why = (f"{layers} layers keep a {kind} per request and ladle stores no state snapshots, so a prefix hit "
+               "could not restore it")
+        if "enable_prefix_caching" in prov.explicit:
+            raise ValueError(f"enable_prefix_caching cannot be used with this model: {why}; drop it")
+        prov.put("enable_prefix_caching", False, why)
+    if graph_batch:
+        why = f"the {kind} layers run eagerly (no CUDA-graph path for them yet)"
+        if "max_cudagraph_capture_size" in prov.explicit:
+            raise ValueError(f"max_cudagraph_capture_size cannot be used with this model: {why}; drop it")
+        prov.put("max_cudagraph_capture_size", 0, why)
+    return 0, False
+
+
 def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     prov = Provenance(explicit)
     device, dtype = resolve_basics(args, prov)
@@ -67,7 +87,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if device.type == "cuda":
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
-    graph_batch = resolve_cudagraph_size(args, device, prov)
     hf_config = load_config(args.model)
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
@@ -77,9 +96,11 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
-    num_layers, num_kv_heads, head_dim = kv_shape_of(hf_config)
-    layout = KVCacheLayout(group_layers([AttentionSpec(num_kv_heads, head_dim, dtype, w)
-                                         for w in layer_windows(hf_config)]), args.block_size)
+    layout = KVCacheLayout.of(model.cache_specs(dtype), args.block_size)
+    graph_batch = resolve_cudagraph_size(args, device, prov)
+    prefix_caching = bool(args.enable_prefix_caching)
+    if layout.state_groups:
+        graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
     for group in layout.groups:
         select_backend(device, group.spec)  # fails now, with the reason, if a group has no backend here
 
@@ -91,7 +112,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     # (it also counts sampling, which runs outside the graph).
     graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
-                        model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows)
+                        model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
+                        args.max_num_seqs * layout.state_bytes_per_request)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
@@ -101,7 +123,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=bool(args.enable_prefix_caching),
+        num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
         max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
         settings=prov.settings, plan=plan, kv_layout=layout,
     )

@@ -29,6 +29,7 @@ class EngineStats:
     generation_tokens: int = 0
     oom_retries: int = 0  # steps run again with half the tokens after running out of memory
     isolation_retries: int = 0  # steps split in halves after an exception, to find the request that fails
+    state_restarts: int = 0  # failed steps whose requests restarted, their per-request state lost
     requests_failed: int = 0  # requests ended with an error so the engine could keep serving the others
     steps_ahead: int = 0  # async scheduling: decode steps launched before their predecessor's tokens were read
     tokens_dropped: int = 0  # of their tokens, those for requests that stopped or were aborted meanwhile

@@ -5,6 +5,11 @@
 - Any other exception: the step is split in halves and each half runs, recursively, so only a request that
   fails alone is ended; the others get the outputs they would have got without it.
 - Before any retry, seeded requests' generators are rewound, so their draws do not depend on the failure.
+- Models with a per-request state (Gated DeltaNet) advance it in place, so a step that failed after its
+  forward began cannot simply run again. Its requests restart from their first token (as a preemption does:
+  nothing generated is lost) and become suspects; a later step holding a suspect snapshots its requests'
+  states first and restores them before each retry, so the retries and the isolation above work as usual.
+  Ordinary steps pay nothing for this.
 
 A row the sampler cannot sample (NaN logits, say) is not an exception: it comes back as FAILED and the core
 ends that request (see EngineCore._update).
@@ -43,6 +48,7 @@ class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     sched: SchedulerOutput = field(default_factory=SchedulerOutput)  # what ran: its requests advance
     failures: list[RequestFailure] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)  # state lost in a failed step: recompute from the start
 
 
 class StepExecutor:
@@ -53,11 +59,19 @@ class StepExecutor:
         self.stats = stats
         # A test hook run before each forward call (e.g. to inject an error for one request).
         self.before_execute: Callable[[SchedulerOutput], None] | None = None
+        self.suspects: set[str] = set()  # requests restarted after a failed step of a model with state
+
+    def forget(self, request_id: str) -> None:
+        self.suspects.discard(request_id)
 
     def run(self, sched: SchedulerOutput) -> StepResult:
-        generators = self.runner.generators([s.request.request_id for s in sched.scheduled])
+        rids = [s.request.request_id for s in sched.scheduled]
+        generators = self.runner.generators(rids)
         states = [g.get_state() for g in generators]
+        snapshot = (self.runner.snapshot_states(rids)
+                    if self.runner.num_state_groups and not self.suspects.isdisjoint(rids) else None)
         while True:
+            self.runner.state_touched = False
             try:
                 if self.before_execute is not None:
                     self.before_execute(sched)
@@ -65,6 +79,8 @@ class StepExecutor:
             except _OOM as e:
                 for g, state in zip(generators, states):
                     g.set_state(state)
+                if self._state_lost(snapshot):
+                    return self._restart(sched, e)
                 retry = self._after_oom(sched, e)
                 if retry is None:
                     return StepResult(failures=[RequestFailure(
@@ -76,7 +92,26 @@ class StepExecutor:
             except Exception as e:  # noqa: BLE001 -- whatever it is, it must not take the batch down
                 for g, state in zip(generators, states):
                     g.set_state(state)
+                if self._state_lost(snapshot):
+                    return self._restart(sched, e)
                 return self._isolate(sched, e)
+
+    def _state_lost(self, snapshot: list | None) -> bool:
+        """Whether the failed attempt may have advanced states that cannot be put back."""
+        if not self.runner.state_touched:
+            return False
+        if snapshot is not None:
+            self.runner.restore_states(snapshot)
+            return False
+        return True
+
+    def _restart(self, sched: SchedulerOutput, error: BaseException) -> StepResult:
+        rids = [s.request.request_id for s in sched.scheduled]
+        logger.warning("a step of %d requests failed after its state layers ran (%s); they restart from their "
+                       "first token", len(rids), type(error).__name__)
+        self.stats.state_restarts += 1
+        self.suspects.update(rids)
+        return StepResult(sched=replace(sched, scheduled=[]), restarted=rids)
 
     def _after_oom(self, sched: SchedulerOutput, error: BaseException) -> SchedulerOutput | None:
         """The step to try next after an out-of-memory error, or None when even the smallest one failed."""

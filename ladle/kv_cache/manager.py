@@ -47,13 +47,18 @@ class _GroupTables:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)) -> None:
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+        """num_state_slots: for a model with state layers, the slots its state tensors hold (one per running
+        request); a request takes one at admission and gives it back when freed."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.groups = [_GroupTables(w) for w in windows]
         self.tables = tuple(g.tables for g in self.groups)
         self.has_sliding_window = any(w is not None for w in windows)
+        self.state_slots: dict[str, int] = {}
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._uses_state = num_state_slots > 0
 
     @property
     def num_blocks(self) -> int:
@@ -152,10 +157,16 @@ class KVCacheManager:
         """Admission on the whole prompt: full-attention groups get blocks for all num_tokens now; a sliding
         group gets those of its first chunk, and only if the pool also has room for it to grow to the most it
         will hold (prefilling `chunk` tokens a step), so an admitted prompt does not stall between chunks."""
+        if self._uses_state and request_id not in self.state_slots and not self._free_slots:
+            return False
         ends = [num_tokens if g.window is None else first_chunk_end for g in self.groups]
         room = sum(max(0, blocks_held(g.window, num_tokens, self.block_size, chunk) - self.blocks_for(first_chunk_end))
                    for g in self.groups if g.window is not None)
-        return self._grow(request_id, ends, computed_blocks, num_computed, room)
+        if not self._grow(request_id, ends, computed_blocks, num_computed, room):
+            return False
+        if self._uses_state and request_id not in self.state_slots:
+            self.state_slots[request_id] = self._free_slots.pop()
+        return True
 
     def _grow(self, request_id: str, ends: list[int], computed_blocks: GroupBlocks, num_computed: int,
               room: int) -> bool:
@@ -202,7 +213,11 @@ class KVCacheManager:
             g.last_cache_id[rid] = parent
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references; its registered blocks stay cached until evicted."""
+        """Drop the request's references (its state slot too); its registered blocks stay cached until
+        evicted."""
+        slot = self.state_slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         for g in self.groups:
             self.pool.release([b for b in g.tables.pop(request_id, []) if b != NULL_BLOCK])
             g.num_cached_block.pop(request_id, None)

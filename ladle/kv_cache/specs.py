@@ -1,16 +1,23 @@
 """What each layer keeps per request, and the groups of layers that keep the same (vLLM's KVCacheSpec and KV
 cache groups).
 
-A model declares one spec per layer. Layers with equal specs form a group; every group takes its blocks from
-the one block pool and has its own block table per request. The pool's block k is a page of the same size in
-each of `num_tensors` K/V tensor pairs, and the i-th layer of every group uses pair i: a block belongs to one
-group at a time, so groups never touch each other's pages (vLLM's hybrid allocator layout).
+A model declares one spec per layer. Layers with equal specs form a group. Paged groups (AttentionSpec) take
+their blocks from the one block pool and have their own block table per request. The pool's block k is a
+page of the same size in each of `num_tensors` K/V tensor pairs, and the i-th layer of every paged group uses
+pair i: a block belongs to one group at a time, so groups never touch each other's pages (vLLM's hybrid
+allocator layout). State groups (StateSpec) keep a fixed-size slot per running request instead (a recurrent
+or convolution state, whatever the prompt's length): each of their layers has its own slot tensors, and a
+request holds the same slot index in all of them from admission to finish or preemption.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+from ladle.config import format_bytes
 
 
 def blocks_held(window: int | None, num_tokens: int, block_size: int, chunk: int) -> int:
@@ -44,17 +51,42 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """A fixed-size state per request and layer, not paged by token: tensors of these shapes and dtypes (for
+    a Gated DeltaNet layer: the convolution's last inputs and the recurrent state)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    kind: str = "recurrent state"
+
+    @property
+    def bytes_per_request(self) -> int:
+        return sum(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    def describe(self) -> str:
+        shapes = " + ".join(f"{'x'.join(map(str, s))} {str(d).removeprefix('torch.')}"
+                            for s, d in zip(self.shapes, self.dtypes))
+        return f"{self.kind}, {shapes} ({format_bytes(self.bytes_per_request)} per request and layer)"
+
+
+CacheSpec = AttentionSpec | StateSpec
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     spec: AttentionSpec
     layers: tuple[int, ...]
 
 
-def group_layers(specs: list[AttentionSpec]) -> tuple[KVCacheGroup, ...]:
-    """Layers with equal specs, grouped in order of first appearance."""
-    order: dict[AttentionSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        order.setdefault(spec, []).append(i)
-    groups = tuple(KVCacheGroup(spec, tuple(layers)) for spec, layers in order.items())
+@dataclass(frozen=True)
+class StateGroup:
+    spec: StateSpec
+    layers: tuple[int, ...]
+
+
+def group_layers(specs: Sequence[CacheSpec]) -> tuple[KVCacheGroup, ...]:
+    """The paged layers with equal specs, grouped in order of first appearance."""
+    groups = tuple(KVCacheGroup(spec, layers) for spec, layers in _by_spec(specs, AttentionSpec).items())
     pages = {g.spec.page_bytes(1) for g in groups}
     if len(pages) > 1:
         raise NotImplementedError("KV cache groups with different page sizes (kv heads x head dim x dtype) are not "
@@ -62,12 +94,48 @@ def group_layers(specs: list[AttentionSpec]) -> tuple[KVCacheGroup, ...]:
     return groups
 
 
+def _by_spec(specs: Sequence[CacheSpec], kind: type) -> dict:
+    order: dict[CacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, kind):
+            order.setdefault(spec, []).append(i)
+    return {spec: tuple(layers) for spec, layers in order.items()}
+
+
+def layer_groups(specs: Sequence[CacheSpec]) -> list[int]:
+    """Each layer's index into the step's metadata: the paged groups first, then the state groups, each in
+    order of first appearance (the order KVCacheLayout.of gives them)."""
+    index: dict[CacheSpec, int] = {}
+    for kind in (AttentionSpec, StateSpec):
+        for spec in _by_spec(specs, kind):
+            index[spec] = len(index)
+    return [index[s] for s in specs]
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Where each layer's K/V lives and what a block costs."""
+    """Where each layer's K/V (or state) lives and what a block (or a request's state) costs."""
 
-    groups: tuple[KVCacheGroup, ...]
+    groups: tuple[KVCacheGroup, ...]  # paged
     block_size: int
+    state_groups: tuple[StateGroup, ...] = ()
+
+    @classmethod
+    def of(cls, specs: Sequence[CacheSpec], block_size: int) -> KVCacheLayout:
+        """The layout of a model whose layer i keeps specs[i]."""
+        if not any(isinstance(s, AttentionSpec) for s in specs):
+            raise NotImplementedError("a model with no attention layer (state only) is not supported yet")
+        states = tuple(StateGroup(spec, layers) for spec, layers in _by_spec(specs, StateSpec).items())
+        return cls(group_layers(specs), block_size, states)
+
+    @property
+    def num_layers(self) -> int:
+        return 1 + max(layer for g in (*self.groups, *self.state_groups) for layer in g.layers)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """One request's slot over all state layers."""
+        return sum(g.spec.bytes_per_request * len(g.layers) for g in self.state_groups)
 
     @property
     def num_tensors(self) -> int:
@@ -82,7 +150,7 @@ class KVCacheLayout:
         return tuple(g.spec.sliding_window for g in self.groups)
 
     def layer_slots(self, num_layers: int) -> list[tuple[int, int]]:
-        """(group, tensor pair) of each layer."""
+        """(paged group, tensor pair) of each paged layer; (-1, -1) for a state layer."""
         slots = [(-1, -1)] * num_layers
         for g, group in enumerate(self.groups):
             for i, layer in enumerate(group.layers):
@@ -94,7 +162,9 @@ class KVCacheLayout:
         return sum(g.spec.blocks_held(num_tokens, self.block_size, chunk) for g in self.groups)
 
     def lines(self) -> list[str]:
-        return [f"KV group {i}: {g.spec.describe()}, layers {_ranges(g.layers)}" for i, g in enumerate(self.groups)]
+        paged = [f"KV group {i}: {g.spec.describe()}, layers {_ranges(g.layers)}" for i, g in enumerate(self.groups)]
+        return paged + [f"state group {i}: {g.spec.describe()}, layers {_ranges(g.layers)}"
+                        for i, g in enumerate(self.state_groups)]
 
 
 def _ranges(layers: tuple[int, ...]) -> str:

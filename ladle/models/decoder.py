@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm
 from ladle.attention.metadata import AttentionMetadata
+from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
+from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -38,17 +39,16 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
-def window_groups(windows: list[int | None]) -> list[int]:
-    """Each layer's KV cache group: layers with the same window share one, numbered by first appearance (the
-    order ladle.kv_cache.specs.group_layers gives the groups)."""
-    order: dict[int | None, int] = {}
-    return [order.setdefault(w, len(order)) for w in windows]
+def attention_specs(config: Any, dtype: torch.dtype) -> list[CacheSpec]:
+    """What each layer of a plain decoder keeps: paged K/V, windowed where the config says so."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return [AttentionSpec(num_kv_heads, head_dim_of(config), dtype, w) for w in layer_windows(config)]
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory) -> None:
         super().__init__()
-        self.layer_group = window_groups(layer_windows(config))
+        self.layer_group = layer_groups(attention_specs(config, torch.float32))
         # Built on the meta device by the loader; nn.Embedding's own init (normal_) on a meta tensor imports
         # torch._dynamo, 2-4 s of every start, so a meta weight skips it (a real one is initialised as usual).
         weight = torch.empty(config.vocab_size, config.hidden_size)
@@ -89,10 +89,18 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
         return dense_mlp(config, layer_idx)
 
+    def build_model(self, config: Any) -> nn.Module:
+        """The layers, embedding and final norm (`model.*` in the checkpoint)."""
+        return DecoderModel(config, self.qk_norm, self.make_mlp)
+
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype."""
+        return attention_specs(self.config, dtype)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, self.make_mlp)
+        self.model = self.build_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -51,9 +51,10 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type not in _STATIC_ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {_STATIC_ROPE_TYPES}")
         self.rope_theta = float(params["rope_theta"])
-        self.head_dim = head_dim_of(config)
+        # Models with partial rope (Qwen3.5) rotate only the first rotary_dim dims of each head.
+        self.rotary_dim = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
         self.attention_scaling = 1.0
-        self.register_buffer("inv_freq", torch.empty(self.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
 
     @torch.no_grad()
@@ -63,8 +64,8 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             return
         if self.rope_type == "default":
-            steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-            inv_freq, scaling = 1.0 / (self.rope_theta ** (steps / self.head_dim)), 1.0
+            steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+            inv_freq, scaling = 1.0 / (self.rope_theta ** (steps / self.rotary_dim)), 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -73,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in dtype (computed in fp32 first, like HF)."""
+        """positions [T] -> cos, sin [T, rotary_dim] in dtype (computed in fp32 first, like HF)."""
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ladle.models.layers import RotaryEmbedding, head_dim_of
+from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import select_ops, set_ops
 from ladle.models.registry import model_class_for
 
@@ -134,9 +134,3 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.zero_()
         else:
             param.normal_(0.0, 0.02, generator=generator)
-
-
-def kv_cache_shape_params(config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim): what the KV pool needs to know about the model."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim_of(config)

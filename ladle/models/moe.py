@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ladle.models.layers import GatedMLP
 from ladle.models.ops import ModelOps, TorchOps
 
 
@@ -55,7 +56,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.renormalize = bool(config.norm_topk_prob)
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))  # Qwen3.5-MoE's router always does
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 config.hidden_act)
@@ -68,3 +69,17 @@ class SparseMoeBlock(nn.Module):
         if self.force_worst_routing:
             ids = torch.arange(self.top_k, device=x.device).expand_as(ids)
         return self.experts(x, weights, ids)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus one always-on shared expert scaled by a sigmoid gate (Qwen3.5-MoE, Qwen3-Next):
+    `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate` in the checkpoint."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, False,
+                                      config.hidden_act)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -9,6 +9,7 @@ from torch import nn
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
+from ladle.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
@@ -16,6 +17,8 @@ _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 })
 
 

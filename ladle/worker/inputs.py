@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.attention.backends import AttentionBackend, TorchAttention
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.metadata import AttentionMetadata, StateMetadata
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class ScheduledChunk:
     # start_pos + len(token_ids) tokens, with NULL_BLOCK (-1) where a sliding window gave a block back.
     block_ids: tuple[list[int], ...]
     sample: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
+    state_slot: int = -1  # the request's slot in the state layers' tensors (models with StateSpec layers)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, tuple):
@@ -35,7 +36,7 @@ class ScheduledChunk:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn_groups: tuple[AttentionMetadata, ...]  # one per KV cache group
+    attn_groups: tuple[AttentionMetadata | StateMetadata, ...]  # one per paged group, then per state group
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states whose next token is sampled
     sampled_rows: tuple[int, ...]  # index into the chunk list of each sampled row, in logits order
 
@@ -81,12 +82,13 @@ def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int =
 def build_step_inputs(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
     block_tables: tuple[torch.Tensor, ...] | None = None, windows: tuple[int | None, ...] = (None,),
-    backends: tuple[AttentionBackend, ...] | None = None,
+    backends: tuple[AttentionBackend, ...] | None = None, num_state_groups: int = 0,
 ) -> StepInputs:
     """block_tables: the step's [len(chunks), >= blocks needed] int32 host table per group, when the caller
     keeps the tables itself (ladle.worker.block_table); otherwise they are built from the chunks' block ids.
     windows: each group's sliding window (None: full attention); backends: each group's attention backend,
-    chosen at startup (the torch reference when not given)."""
+    chosen at startup (the torch reference when not given). num_state_groups: the model's state groups, which
+    all get the same StateMetadata (a request has one slot index in every state layer)."""
     backends = backends or tuple(TorchAttention() for _ in windows)
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
@@ -117,6 +119,13 @@ def build_step_inputs(
             context_lens=context_t, block_tables=table, query_lens=query_lens, context_lens_host=tuple(context),
             block_size=block_size, sliding_window=window, backend=backends[g],
         ))
+    if num_state_groups:
+        slots = tuple(c.state_slot for c in chunks)
+        if min(slots) < 0:
+            raise ValueError("a model with per-request state needs every chunk's state slot")
+        state = StateMetadata(as_tensor(list(slots), torch.int64), slots, tuple(cu),
+                              tuple(c.start_pos > 0 for c in chunks))
+        groups += [state] * num_state_groups
     return StepInputs(
         input_ids=as_tensor([t for c in chunks for t in c.token_ids], torch.int64),
         positions=as_tensor(positions_for(chunks), torch.int64),

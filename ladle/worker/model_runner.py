@@ -36,6 +36,7 @@ class RunnerRequest:
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None  # seeded requests draw from their own, on the runner's device
     tables: tuple[list[int], ...]  # per KV cache group; entries a window gave back may be stale (never read)
+    state_slot: int = -1  # its slot in the state layers (models with StateSpec layers)
 
     def tokens(self, start: int, n: int) -> list[int]:
         """Tokens [start, start + n) of prompt + output."""
@@ -47,15 +48,21 @@ class RunnerRequest:
         return self.prompt[start:] + self.output[: start + n - p]
 
 
-def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, [num_blocks, block_size, kv heads, head dim] each; the i-th layer of every
-    group shares pair i (a block belongs to one group at a time; see ladle.kv_cache.specs)."""
+def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, device: torch.device,
+                       num_state_slots: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """One (K, V) pair per paged layer, [num_blocks, block_size, kv heads, head dim] each; the i-th layer of
+    every paged group shares pair i (a block belongs to one group at a time; see ladle.kv_cache.specs). A
+    state layer gets its own tensors, [num_state_slots, *shape] for each of its spec's shapes."""
     spec = layout.groups[0].spec
     shape = (num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim)
     pairs = [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
              for _ in range(layout.num_tensors)]
-    return [pairs[i] for _, i in layout.layer_slots(num_layers)]
+    caches: list[tuple[torch.Tensor, ...]] = [pairs[i] if i >= 0 else () for _, i in layout.layer_slots(num_layers)]
+    for group in layout.state_groups:
+        for layer in group.layers:
+            caches[layer] = tuple(torch.zeros((num_state_slots, *s), dtype=d, device=device)
+                                  for s, d in zip(group.spec.shapes, group.spec.dtypes))
+    return caches
 
 
 class PendingStep:
@@ -90,8 +97,14 @@ class ModelRunner:
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         windows: tuple[int | None, ...] = (None,), backends: tuple[AttentionBackend, ...] | None = None,
+        state_groups: tuple[tuple[int, ...], ...] = (),
     ) -> None:
+        """state_groups: the layers of each state group (models with StateSpec layers)."""
         self.model = model
+        self.num_state_groups = len(state_groups)
+        self.state_layers = tuple(layer for group in state_groups for layer in group)
+        # Set once a forward has begun: from then on its state layers may have advanced their requests' state.
+        self.state_touched = False
         self.kv_caches = kv_caches  # one (K, V) pair per layer
         self.block_size = block_size
         self.device = device
@@ -130,12 +143,23 @@ class ModelRunner:
             n = new.num_prompt_tokens
             self.requests[new.request_id] = RunnerRequest(
                 list(new.token_ids[:n]), list(new.token_ids[n:]), new.sampling_params, new.stop_token_ids,
-                generator, tuple(list(t) for t in new.block_ids))
+                generator, tuple(list(t) for t in new.block_ids), new.state_slot)
         for diff in update.diffs:
             req = self.requests[diff.request_id]
             req.output.extend(diff.new_token_ids)
             for table, added in zip(req.tables, diff.new_block_ids):  # () when no group grew
                 table.extend(added)
+
+    def snapshot_states(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Copies of these requests' state slots in every state tensor: (tensor, slots, saved rows)."""
+        slots = torch.tensor([self.requests[r].state_slot for r in request_ids], device=self.device)
+        return [(t, slots, t[slots].clone()) for layer in self.state_layers for t in self.kv_caches[layer]]
+
+    @staticmethod
+    def restore_states(snapshot: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Undo whatever a failed step did to the snapshotted slots."""
+        for tensor, slots, saved in snapshot:
+            tensor[slots] = saved
 
     def generators(self, request_ids: list[str]) -> list[torch.Generator]:
         """The seeded requests' generators among these (the engine rewinds them before retrying a step)."""
@@ -145,7 +169,8 @@ class ModelRunner:
         chunks = []
         for s in specs:
             req = self.requests[s.request_id]
-            chunks.append(ScheduledChunk(req.tokens(s.start_pos, s.num_tokens), s.start_pos, req.tables, s.sample))
+            chunks.append(ScheduledChunk(req.tokens(s.start_pos, s.num_tokens), s.start_pos, req.tables, s.sample,
+                                         req.state_slot))
         return chunks
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
@@ -169,7 +194,8 @@ class ModelRunner:
         if input_ids is None:
             chunks = self.prepare(specs)
         else:  # the input token is the previous step's output: a placeholder here, the device copy below
-            chunks = [ScheduledChunk([0], s.start_pos, self.requests[s.request_id].tables, True) for s in specs]
+            chunks = [ScheduledChunk([0], s.start_pos, self.requests[s.request_id].tables, True,
+                                     self.requests[s.request_id].state_slot) for s in specs]
         with torch.inference_mode():
             logits = self._logits(chunks, self._table(specs, chunks), input_ids)
             assert logits is not None
@@ -210,8 +236,10 @@ class ModelRunner:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the chunks' tokens."""
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks, None if block_tables is None else block_tables[0], input_ids)
-        inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows, self.backends)
+        inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows, self.backends,
+                                   self.num_state_groups)
         ids = inputs.input_ids if input_ids is None else input_ids
+        self.state_touched = self.num_state_groups > 0
         hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
         if not inputs.sampled_rows:
             return None

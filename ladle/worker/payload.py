@@ -20,6 +20,7 @@ class NewRequest:
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and the params' stop token ids
     block_ids: tuple[list[int], ...]  # its block table, per KV cache group
+    state_slot: int = -1  # its slot in the state layers (models with StateSpec layers), new at each admission
 
 
 class RequestDiff(NamedTuple):

@@ -1,0 +1,144 @@
+"""Qwen3.5 text models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): Gated DeltaNet layers with a state
+per request, interleaved with full-attention layers whose output is gated and whose rope is partial.
+
+Norms are zero-centred (the weight is stored as w - 1). The full-attention layers' q_proj also yields a
+per-head output gate: its rows are, per head, head_dim query rows then head_dim gate rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
+from ladle.models.decoder import DecoderForCausalLM, MlpFactory
+from ladle.models.moe import SharedExpertMoeBlock
+from ladle.models.gated_deltanet import GatedDeltaNet, state_spec
+from ladle.models.layers import RotaryEmbedding, StackedLinear, apply_rotary, head_dim_of
+
+_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), all in fp32, cast back at the end (HF's Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedAttention(nn.Module):
+    """GQA over the paged KV cache with q/k norm, partial rope and a sigmoid gate on the output."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (2 * q_size, kv_size, kv_size)
+        self.qkv_proj = StackedLinear(config.hidden_size, dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes)),
+                                      bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = _partial_rope(self.q_norm(q), cos, sin)
+        k = _partial_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = attn.backend(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], attn, self.scale)
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm residual block whose mixer is Gated DeltaNet or gated attention, as layer_types says."""
+
+    def __init__(self, config: Any, layer_type: str, mlp: nn.Module) -> None:
+        super().__init__()
+        self.linear_attn = GatedDeltaNet(config) if layer_type == "linear_attention" else None
+        self.self_attn = GatedAttention(config) if layer_type == "full_attention" else None
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata | StateMetadata) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            assert isinstance(meta, StateMetadata)
+            h = self.linear_attn(h, cache, meta)
+        else:
+            assert self.self_attn is not None and isinstance(meta, AttentionMetadata)
+            h = self.self_attn(h, cos, sin, cache, meta)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: Any, specs: list[CacheSpec], make_mlp: MlpFactory) -> None:
+        super().__init__()
+        self.layer_group = layer_groups(specs)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(HybridLayer(config, kind, make_mlp(config, i))
+                                    for i, kind in enumerate(config.layer_types))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
+                meta: tuple[AttentionMetadata | StateMetadata, ...]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, cache, group in zip(self.layers, caches, self.layer_group):
+            x = layer(x, cos, sin, cache, meta[group])
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """HF's Qwen3_5ForCausalLM (text only); weights load by DecoderForCausalLM.load_weights."""
+
+    def build_model(self, config: Any) -> nn.Module:
+        unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}")
+        return HybridModel(config, self.cache_specs(torch.float32), self.make_mlp)
+
+    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+        config = self.config
+        specs: list[CacheSpec] = []
+        for kind in config.layer_types:
+            if kind == "full_attention":
+                specs.append(AttentionSpec(config.num_key_value_heads, head_dim_of(config), dtype))
+            else:
+                specs.append(state_spec(config, dtype))
+        return specs
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Every layer's MLP is routed experts plus a gated shared expert."""
+
+    @staticmethod
+    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
+        return SharedExpertMoeBlock(config)
