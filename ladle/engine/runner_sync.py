@@ -63,8 +63,6 @@ class RunnerSync:
 
 
 def _same_tables(groups: list, rid: str, tables: tuple[list[int], ...]) -> bool:
-    """Whether the KV manager still holds the table objects the runner was sent (not after a preemption)."""
-    for g, t in zip(groups, tables):
-        if g.tables[rid] is not t:
-            return False
-    return True
+    """Whether the KV manager still holds the table objects the runner was sent (not after a preemption,
+    which replaces every group's table at once, so the first group's tells)."""
+    return groups[0].tables[rid] is tables[0]

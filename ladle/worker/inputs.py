@@ -15,21 +15,22 @@ from ladle.attention.backends import AttentionBackend, TorchAttention
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 
 
-@dataclass(frozen=True)
 class ScheduledChunk:
-    """One request's share of a step: its new tokens, where they start, and its blocks."""
+    """One request's share of a step: its new tokens, where they start, and its blocks. (A slotted class, not
+    a frozen dataclass: the runner builds one per request per step, and a frozen dataclass costs several times
+    more to build.)"""
 
-    token_ids: list[int]  # tokens whose KV this step computes (a prefill chunk, or one decode token)
-    start_pos: int  # tokens of this request already in the KV cache (num_computed_tokens)
-    # The request's block table per KV cache group (a plain list: the one group); each covers
-    # start_pos + len(token_ids) tokens, with NULL_BLOCK (-1) where a sliding window gave a block back.
-    block_ids: tuple[list[int], ...]
-    sample: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
-    state_slot: int = -1  # the request's slot in the state layers' tensors (models with StateSpec layers)
+    __slots__ = ("token_ids", "start_pos", "block_ids", "sample", "state_slot")
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_ids, tuple):
-            object.__setattr__(self, "block_ids", (list(self.block_ids),))
+    def __init__(self, token_ids: list[int], start_pos: int, block_ids: tuple[list[int], ...] | list[int],
+                 sample: bool, state_slot: int = -1) -> None:
+        self.token_ids = token_ids  # tokens whose KV this step computes (a prefill chunk, or one decode token)
+        self.start_pos = start_pos  # tokens of this request already in the KV cache (num_computed_tokens)
+        # The request's block table per KV cache group (a plain list: the one group); each covers
+        # start_pos + len(token_ids) tokens, with NULL_BLOCK (-1) where a sliding window gave a block back.
+        self.block_ids: tuple[list[int], ...] = block_ids if isinstance(block_ids, tuple) else (list(block_ids),)
+        self.sample = sample  # True when this chunk reaches the end of the known tokens, so a token is sampled
+        self.state_slot = state_slot  # the request's slot in the state layers (models with StateSpec layers)
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,14 @@ def cu_seqlens_for(chunks: list[ScheduledChunk]) -> list[int]:
     return cu
 
 
+def _no_null(blocks: list[int]) -> list[int]:
+    return [max(b, 0) for b in blocks] if blocks and min(blocks) < 0 else blocks
+
+
 def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int = 0) -> list[list[int]]:
     """Each request's blocks that hold its context after this step, padded with 0 to a common width (blocks
     a window gave back read as 0 too: no kernel reads them)."""
-    rows = [[max(b, 0) for b in c.block_ids[group][: -(-(c.start_pos + len(c.token_ids)) // block_size)]]
-            for c in chunks]
+    rows = [_no_null(c.block_ids[group][: -(-(c.start_pos + len(c.token_ids)) // block_size)]) for c in chunks]
     width = max((len(r) for r in rows), default=0)
     return [r + [0] * (width - len(r)) for r in rows]
 
