@@ -109,16 +109,27 @@ def _hf_greedy(model: Any, prompt: list[int], new: int, device: torch.device) ->
 
 
 def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, Any]:
-    """The demo-model shape (fp32, peaked random weights), and a Mistral of the same shape with a 48-token
-    sliding window, through the CUDA engine with CUDA graphs, a 128-token step budget (so prompts prefill in
+    """The demo-model shape (fp32, peaked random weights), a Mistral of the same shape with a 48-token sliding
+    window, and a Qwen3.5 hybrid (Gated DeltaNet: flash-linear-attention's kernel when it is importable, the
+    torch reference otherwise; `fla` in the result says which) through the CUDA engine with CUDA graphs
+    (not for the hybrid, whose state layers derive them off), a 128-token step budget (so prompts prefill in
     chunks beside decodes) and the eager engine, against HF's greedy loop."""
+    from ladle.models.ops import TritonOps
+
+    hybrid = dict(arch="qwen3_5", layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                               "full_attention"],
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                  linear_value_head_dim=32)
     models = {"demo": demo_model_kwargs(),
-              "mistral_window48": demo_model_kwargs() | dict(arch="mistral", sliding_window=48)}
-    res = {name: _model_vs_hf(device, workdir / f"check-{name}", kwargs, small) for name, kwargs in models.items()}
-    return res | {"ok": all(r["ok"] for r in res.values())}
+              "mistral_window48": demo_model_kwargs() | dict(arch="mistral", sliding_window=48),
+              "qwen3_5_hybrid": demo_model_kwargs() | hybrid}
+    res = {name: _model_vs_hf(device, workdir / f"check-{name}", kwargs, small, graphs=name != "qwen3_5_hybrid")
+           for name, kwargs in models.items()}
+    return res | {"ok": all(r["ok"] for r in res.values()), "fla": TritonOps().has_fla}
 
 
-def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any], small: bool) -> dict[str, Any]:
+def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any], small: bool,
+                 graphs: bool = True) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ladle.config import EngineArgs
@@ -128,12 +139,16 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
     rng = random.Random(0)
     lengths, new = ((5, 37, 60), 6) if small else ((5, 37, 150, 300, 700), 24)
     prompts = [[rng.randrange(8000) for _ in range(n)] for n in lengths]
+    if device.type != "cuda":
+        from ladle.hf_reference import use_torch_kernels
+
+        use_torch_kernels()  # fla's kernels, if importable, cannot run on a CPU
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     want = [_hf_greedy(hf, p, new, device) for p in prompts]
     del hf
     res: dict[str, Any] = {"prompts": list(lengths), "new_tokens": new}
     variants = {"graphs": dict(max_cudagraph_capture_size=8), "eager": dict(enforce_eager=True)}
-    if device.type != "cuda":
+    if device.type != "cuda" or not graphs:
         variants = {"eager": {}}
     for name, extra in variants.items():
         args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), dtype="float32",

@@ -108,15 +108,28 @@ def offline(r: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def offline_moe(r: dict[str, Any]) -> list[str]:
-    """The Qwen3-MoE row beside section 1: the same workload shape and engines, on a mixture-of-experts model."""
-    w, cfg, m = r["workload"], r["model_config"], r["machine"]
-    lines = ["### Qwen3-MoE", "",
+def _model_line(r: dict[str, Any]) -> tuple[str, str]:
+    """(section title, the model's description) for the offline rows beside section 1."""
+    cfg = r["model_config"]
+    size = f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers"
+    if "num_local_experts" in cfg:
+        return "Qwen3-MoE", (f"Qwen3-MoE, {size}, {cfg['num_local_experts']} experts of "
+                             f"{cfg['moe_intermediate_size']}, top {cfg['num_experts_per_tok']} per token")
+    kinds = cfg.get("layer_types") or []
+    return "Qwen3.5 (Gated DeltaNet hybrid)", (
+        f"Qwen3.5, {size} ({kinds.count('linear_attention')} Gated DeltaNet, {kinds.count('full_attention')} "
+        f"gated full attention), {cfg['linear_num_value_heads']} value heads x {cfg['linear_value_head_dim']} "
+        f"over {cfg['linear_num_key_heads']} key heads x {cfg['linear_key_head_dim']}")
+
+
+def offline_variant(r: dict[str, Any]) -> list[str]:
+    """A row beside section 1: the same workload shape and engines on another architecture."""
+    w, m = r["workload"], r["machine"]
+    title, model = _model_line(r)
+    lines = [f"### {title}", "",
              f"Reproduce: `OMP_NUM_THREADS={m.get('OMP_NUM_THREADS') or ''} {r['command']}`", "",
-             f"Model `{r['model']}`: Qwen3-MoE, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-             f"{cfg['num_local_experts']} experts of {cfg['moe_intermediate_size']}, top {cfg['num_experts_per_tok']} "
-             f"per token, random weights, fp32; {w['num_prompts']} requests per repeat, prompts in "
-             f"{w['input_len']}, outputs in {w['output_len']}.", ""]
+             f"Model `{r['model']}`: {model}, random weights, fp32; {w['num_prompts']} requests per repeat, prompts "
+             f"in {w['input_len']}, outputs in {w['output_len']}.", ""]
     rows = [[n, x["requests_per_s"], x["output_tok_per_s"], x["total_tok_per_s"]]
             for n, x in r["median_run"].items()]
     lines += table(["engine", "req/s", "output tok/s", "total tok/s"], rows) + [""]
@@ -243,7 +256,8 @@ def serve(r: dict[str, Any]) -> list[str]:
 
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
-    ("offline_throughput", offline), ("offline_throughput_moe", offline_moe), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
+    ("offline_throughput", offline), ("offline_throughput_moe", offline_variant),
+    ("offline_throughput_qwen3_5", offline_variant), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("serve_sweep", serve)]
 
 

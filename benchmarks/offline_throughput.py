@@ -33,6 +33,9 @@ from ladle.entrypoints.bench import RequestTiming, Workload, random_workload, ru
 def load_hf(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM
 
+    from ladle.hf_reference import use_torch_kernels
+
+    use_torch_kernels()  # the peer runs on CPU: HF's PyTorch path, not fla's Triton kernels
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 

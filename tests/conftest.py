@@ -43,6 +43,14 @@ def _load_hf(model_dir: str) -> Any:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def hf_torch_kernels() -> None:
+    """The HF oracle runs its own PyTorch reference, never a kernel package the test extra installs."""
+    from ladle.hf_reference import use_torch_kernels
+
+    use_torch_kernels()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One activation-profile cache for the whole session (servers started by tests inherit it): each model
     shape is profiled once, not once per engine. Fresh per session, so a run never trusts an old one."""

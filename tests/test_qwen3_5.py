@@ -152,3 +152,30 @@ def test_a_step_that_fails_after_its_state_advanced_ends_only_the_failing_reques
     assert outs[-1].outputs[0].finish_reason == "error"
     assert llm.stats.state_restarts >= 1 and not llm.engine.core.executor.suspects
     assert llm.engine.core.kv.num_free_blocks == 128 and not llm.engine.core.kv.state_slots
+
+
+def test_an_image_text_checkpoint_serves_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (the layout Qwen3.5 ships in): its text_config builds the
+    model, `model.language_model.*` loads, the vision tower and an MTP head are left out; same greedy tokens
+    as HF's image-text model on text input."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text = MIXES["gqa"] | dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                               max_position_embeddings=8192)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(5)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.5 if ("A_log" in name or "dt_bias" in name) else 0.15)
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in weights)
+    save_file(weights | {"mtp.fc.weight": torch.ones(64, 128)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    prompts = _prompts([1, 23, 130], 9)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert _tokens(LLM(str(tmp_path), max_num_batched_tokens=7), prompts) == want

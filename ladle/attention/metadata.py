@@ -32,9 +32,15 @@ class StateMetadata:
 
     slots: torch.Tensor  # [B] int64, on the device
     slots_host: tuple[int, ...]
+    cu_seqlens: torch.Tensor  # [B+1] int64, on the device
     cu_seqlens_host: tuple[int, ...]  # [B+1]: the new tokens of request i are rows cu[i]:cu[i+1]
     has_initial_state: tuple[bool, ...]  # False for a request's first chunk: its state starts at zero
 
     @property
     def num_seqs(self) -> int:
         return len(self.slots_host)
+
+    def decodes(self) -> list[int]:
+        """The requests whose one new row continues their state: batched single steps, not chunks."""
+        cu = self.cu_seqlens_host
+        return [i for i in range(self.num_seqs) if cu[i + 1] - cu[i] == 1 and self.has_initial_state[i]]

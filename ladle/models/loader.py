@@ -10,7 +10,7 @@ from torch import nn
 
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import select_ops, set_ops
-from ladle.models.registry import model_class_for
+from ladle.models.registry import model_class_for, text_config_of
 
 _SINGLE_FILE = "model.safetensors"
 
@@ -63,7 +63,7 @@ def load_config(model_dir: str) -> Any:
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the config of {model_dir!r}: {str(e).splitlines()[0]}") from None
     model_class_for(config)
-    return config
+    return text_config_of(config)
 
 
 def load_model(

@@ -4,9 +4,13 @@ which set_ops fills in; nothing looks at a tensor's device to decide.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ladle.attention.metadata import StateMetadata
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +75,24 @@ class TorchOps:
             out.index_add_(0, tokens, h)
         return out
 
+    @staticmethod
+    def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         rec_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        from ladle.models.delta_rule import torch_gated_delta_rule
+
+        return torch_gated_delta_rule(q, k, v, g, beta, rec_state, meta)
+
 
 class TritonOps:
     """Fused kernels: one launch where torch takes several; no host syncs, so decode steps can be captured in
     CUDA graphs. Tests run them in Triton's interpreter on CPU tensors."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        # flash-linear-attention (the `fla` extra) holds the maintained gated-delta-rule kernels; without it
+        # the torch reference runs on the GPU too, correct but a launch per request and 64-token block.
+        self.has_fla = importlib.util.find_spec("fla") is not None
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,6 +126,13 @@ class TritonOps:
         from ladle.kernels import triton_moe
 
         return triton_moe.fused_experts(x, w13, w2, weights, ids)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, rec_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        from ladle.models import delta_rule
+
+        rule = delta_rule.fla_gated_delta_rule if self.has_fla else delta_rule.torch_gated_delta_rule
+        return rule(q, k, v, g, beta, rec_state, meta)
 
 
 ModelOps = TorchOps | TritonOps

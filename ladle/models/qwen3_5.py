@@ -6,7 +6,7 @@ per-head output gate: its rows are, per head, head_dim query rows then head_dim 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -116,8 +116,24 @@ class HybridModel(nn.Module):
         return self.norm(x)
 
 
+def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors of a checkpoint, as HF's Qwen3_5ForCausalLM reads them: an image-text
+    checkpoint's `model.language_model.*` as `model.*`; the vision tower (`model.visual.*`) and the
+    multi-token-prediction head (`mtp.*`, for speculative decoding) left out."""
+    for name, tensor in weights:
+        if name.startswith(("model.visual.", "mtp.")):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        yield name, tensor
+
+
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
-    """HF's Qwen3_5ForCausalLM (text only); weights load by DecoderForCausalLM.load_weights."""
+    """HF's Qwen3_5ForCausalLM (text only), also serving the text of Qwen3_5ForConditionalGeneration
+    checkpoints (the registry hands it their text_config)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(text_weights(weights))
 
     def build_model(self, config: Any) -> nn.Module:
         unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))

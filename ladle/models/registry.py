@@ -19,7 +19,22 @@ _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # Image-text checkpoints whose text model ladle serves: built from their text_config (text_config_of).
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 })
+
+
+def text_config_of(config: Any) -> Any:
+    """The config ladle builds from: an image-text checkpoint's text_config (keeping its architecture name
+    and the top-level word-embedding tying, which HF keeps there), any other config as it is."""
+    architectures = getattr(config, "architectures", None) or []
+    text = getattr(config, "text_config", None)
+    if text is None or not architectures or not architectures[0].endswith("ForConditionalGeneration"):
+        return config
+    text.architectures = list(architectures)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))
+    return text
 
 
 def model_class_for(config: Any) -> type[nn.Module]:
