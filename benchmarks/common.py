@@ -24,6 +24,9 @@ MODELS: dict[str, dict[str, Any]] = {
     # Narrow, for the 32K-token measurements (memory, stalls) that must finish in minutes on 2 cores.
     "qwen3-256": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=32768),
+    # qwen3-256 (the demo model's shape) with room for a 100K-token prompt.
+    "qwen3-256-128k": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=131072),
     # Qwen3-MoE with qwen3-512's attention and as many active MLP weights per token (4 of 16 experts of 384).
     "qwen3-moe-512": dict(arch="qwen3_moe", vocab_size=32000, hidden_size=512, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1536,
@@ -85,8 +88,9 @@ def model_facts(model_dir: str) -> dict[str, Any]:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_local_experts",
-            "num_experts_per_tok", "max_position_embeddings")
-    return {k: cfg.get(k) for k in keys}
+            "num_experts_per_tok", "max_position_embeddings", "layer_types", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
 
 def machine() -> dict[str, Any]:

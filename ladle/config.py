@@ -20,7 +20,8 @@ logger = logging.getLogger("ladle")
 Source = Literal["explicit", "default", "derived"]
 DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
 # vLLM spellings accepted as aliases of ladle's names.
-ALIASES = {"long_prefill_token_threshold": "max_prefill_length", "num_gpu_blocks_override": "num_kv_blocks"}
+ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -32,6 +33,11 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int | None = None  # default: derived from measured memory (multiple of 64)
     max_prefill_length: int | None = None  # per-request chunk cap; default: max_num_batched_tokens
+    # Sharing a step between prefills (ladle.engine.partial_prefill); defaults derived.
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None  # a prefill with more tokens left than this is long
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower SamplingParams.priority first)
     max_num_seqs: int = 256
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: what the memory plan leaves for KV
@@ -64,7 +70,8 @@ class EngineArgs:
         """Every check that needs no model and no device (ranges, choices, rules between settings, the model
         directory), so a typo costs the time of an import, not of loading and profiling."""
         for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks",
-                     "max_cudagraph_capture_size"):
+                     "max_cudagraph_capture_size", "max_num_partial_prefills", "max_long_partial_prefills",
+                     "long_prefill_token_threshold"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         positive_int("max_num_seqs", self.max_num_seqs)
@@ -88,6 +95,13 @@ class EngineArgs:
         if chunk is not None and budget is not None and chunk > budget:
             raise ValueError(f"max_prefill_length={chunk} exceeds max_num_batched_tokens={budget}: a chunk can "
                              "never be larger than the step; lower max_prefill_length or raise the budget")
+        num, long = self.max_num_partial_prefills, self.max_long_partial_prefills
+        if num is not None and long is not None and long > num:
+            raise ValueError(f"max_long_partial_prefills={long} exceeds max_num_partial_prefills={num}: long "
+                             "prefills are some of the partial prefills; lower it or raise max_num_partial_prefills")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.max_cudagraph_capture_size is not None and self.enforce_eager:
             raise ValueError("max_cudagraph_capture_size needs CUDA graphs, which enforce_eager disables; "
                              "drop one of them")
@@ -168,6 +182,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_cudagraph_capture_size: int = 0  # largest decode batch captured in a CUDA graph; 0 = eager only
     async_scheduling: bool = False
+    partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
+    scheduling_policy: str = "fcfs"
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs
@@ -259,5 +275,6 @@ def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, to
     prov.put("enable_prefix_caching", bool(args.enable_prefix_caching))
     prov.put("load_format", args.load_format)
     prov.put("async_scheduling", bool(args.async_scheduling))
+    prov.put("scheduling_policy", args.scheduling_policy)
     prov.put("seed", args.seed)
     return device, dtype

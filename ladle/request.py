@@ -45,9 +45,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
     num_preemptions: int = 0
+    num_passed_over: int = 0  # admissions that jumped ahead while the KV pool could not take this one
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
 
     @property
     def num_prompt_tokens(self) -> int:

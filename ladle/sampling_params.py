@@ -42,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     prompt_logprobs: None = None  # accepted for signature compatibility; not supported yet
     skip_special_tokens: bool = True
+    priority: int = 0  # with scheduling_policy="priority": lower values are served first (vLLM semantics)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +98,9 @@ class SamplingParams:
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold token ids >= 0")
+        priority = self.priority
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise bad("priority", "must be an integer in [-2**63, 2**63)")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
 

@@ -132,7 +132,8 @@ def test_the_progress_bar_moves_with_every_step(tiny_qwen3_dir):
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=128)
     out = io.StringIO()
     bar = functools.partial(tqdm, file=out, mininterval=0)
-    llm.generate([{"prompt_token_ids": list(range(400))}, "hi"], SamplingParams(max_tokens=4), use_tqdm=bar)
+    llm.generate([{"prompt_token_ids": list(range(400))}, {"prompt_token_ids": list(range(1, 300))}],
+                 SamplingParams(max_tokens=4), use_tqdm=bar)
     frames = [f for f in out.getvalue().split("\r") if "toks/s" in f]
     before_done = [f for f in frames if " 0/2 " in f]
     # The 400-token prompt takes 7 chunks: the bar shows each step's token rates before any prompt is done.
@@ -159,9 +160,11 @@ def test_one_debug_line_per_prefill_chunk(tiny_qwen3_dir, caplog):
     ]
 
 
-def test_vllm_alias_long_prefill_token_threshold(tiny_qwen3_dir):
+def test_long_prefill_token_threshold_says_what_is_long_and_does_not_cap_chunks(tiny_qwen3_dir):
+    """It was once an alias of max_prefill_length; now it means one thing, as in vLLM: what counts as long."""
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, long_prefill_token_threshold=24)
-    assert llm.config.max_prefill_length == 24
-    assert llm.config.settings["max_prefill_length"].source == "explicit"
+    assert llm.config.max_prefill_length == 64 and llm.config.partial_prefills.long_prefill_token_threshold == 24
+    assert llm.config.settings["long_prefill_token_threshold"].source == "explicit"
+    assert llm.config.settings["max_prefill_length"].source != "explicit"
     llm.generate({"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert llm.stats.prefill_chunks["0"] == [24, 24, 2]
+    assert llm.stats.prefill_chunks["0"] == [50]

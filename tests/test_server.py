@@ -224,6 +224,9 @@ def test_bad_input_gets_4xx_envelopes_and_the_server_keeps_serving(server):
     for path, body, param in cases:
         assert_error_envelope(server.post(path, body), 400, param=param)
     assert_error_envelope(server.post(cmpl, {"prompt": [99999]}), 400)  # a token id outside the vocabulary
+    # A priority needs --scheduling-policy priority (this server runs fcfs), as in vLLM; a bad one is a 400 too.
+    assert "scheduling" in assert_error_envelope(server.post(cmpl, {"prompt": "x", "priority": 2}), 400)["message"]
+    assert_error_envelope(server.post(cmpl, {"prompt": "x", "priority": "high"}), 400, param="priority")
     assert_error_envelope(server.post(cmpl, {"prompt": "x", "model": "no-such-model"}), 404, "model_not_found", "model")
     assert_error_envelope(server.post(chat, content=b'{"messages": [{"role": "user",'), 400, "invalid_json")
     assert_error_envelope(server.post(chat, content=b"not json at all"), 400)

@@ -130,6 +130,10 @@ class EngineCore:
                 outs.append(EngineCoreOutput(rid, finish_reason="abort"))
         return outs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, so the next prompts compute everything; False while requests run."""
+        return not self.has_unfinished_requests() and self.kv.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._ahead is not None
 

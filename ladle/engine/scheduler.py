@@ -1,8 +1,14 @@
 """Token-budget scheduler with chunked prefill (Sarathi-style order, vLLM v1-style accounting).
 
-Each step serves, within max_num_batched_tokens: running decodes first, then running partial prefills,
-then waiting requests FCFS. Every prefill chunk is min(remaining, max_prefill_length, remaining budget),
-so no forward call sees more tokens than the budget and no request more than its chunk cap.
+Each step serves, within max_num_batched_tokens: running decodes first, then the prefills, which share what
+is left (ladle.engine.partial_prefill): the running partial prefills and waiting requests admitted beside them,
+at most max_num_partial_prefills of them and max_long_partial_prefills long ones, each chunk also within
+max_prefill_length. So no forward call sees more tokens than the budget, no request more than its chunk cap,
+and a long prompt does not keep short ones waiting for its whole prefill.
+
+Waiting requests are served in the scheduling policy's order (ladle.engine.request_queue). Admission takes a
+request's whole (re)prefill of KV; one that cannot get it yet is passed over by requests behind it that can,
+at most max_pass_over times, after which nothing behind it starts until it does.
 
 With prefix caching, an admitted request starts at its cache hit (num_computed_tokens = hit tokens), and
 admission counts only the blocks it will take from the free queue.
@@ -10,14 +16,16 @@ admission counts only the blocks it will take from the free queue.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from ladle.config import EngineConfig
+from ladle.engine.partial_prefill import default_limits, fair_shares
+from ladle.engine.request_queue import RequestQueue
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected, RequestStatus
 
 logger = logging.getLogger("ladle.scheduler")
+MAX_PASS_OVER = 32  # admissions that may jump ahead of a waiting request the KV pool cannot take yet
 
 
 @dataclass(frozen=True)
@@ -64,17 +72,32 @@ class SchedulerOutput:
         return replace(self, scheduled=kept)
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A waiting request that may start this step, with its prefix-cache hit."""
+
+    request: Request
+    computed_blocks: list
+    num_cached: int
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.limits = config.partial_prefills or default_limits(config.max_num_seqs, config.max_num_batched_tokens)
+        self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
+        self.max_pass_over = MAX_PASS_OVER
 
     def check(self, request: Request) -> None:
         """Reject now what could never run, so it never waits at the head of the queue."""
         cfg = self.config
+        if request.priority != 0 and self.waiting.policy != "priority":
+            raise RequestRejected(f"priority={request.priority} needs priority scheduling; this engine runs "
+                                  f"scheduling_policy={self.waiting.policy!r}: drop priority or start the engine "
+                                  "with scheduling_policy='priority'")
         total = request.num_prompt_tokens + request.max_tokens
         if total > cfg.max_model_len:
             raise RequestRejected(
@@ -93,7 +116,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check(request)
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,54 +124,98 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
-        decodes: list[Request] = []
-        prefills: list[Request] = []
-        for r in self.running:
-            (prefills if r.is_prefilling else decodes).append(r)
-        for req in decodes + prefills:
+        scheduled: set[str] = set()
+        running = self.running if self.waiting.policy == "fcfs" else sorted(self.running, key=self.waiting.key)
+        for req in [r for r in running if not r.is_prefilling]:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this pass
-            n = self._chunk(req, budget)
-            if not self._reserve(req, n, scheduled_ids, out):
-                continue
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, req.is_prefilling))
-            scheduled_ids.add(req.request_id)
-            budget -= n
+            if req.status is RequestStatus.RUNNING and self._reserve(req, 1, scheduled, out):
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1, False))
+                scheduled.add(req.request_id)
+                budget -= 1
+        prefills = [r for r in running if r.is_prefilling and r.status is RequestStatus.RUNNING]
+        num_long = sum(self.limits.is_long(r.num_tokens - r.num_computed_tokens) for r in prefills)
         # A step that preempted is short of blocks: admitting now would only thrash.
-        deferred: list[Request] = []
-        while budget > 0 and self.waiting and not out.preempted_ids and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-            if self._prefix_in_flight(req, num_cached):
-                deferred.append(self.waiting.popleft())
-                continue
-            # Admission on the whole (re)prefill, so an admitted prompt never stalls between chunks. Cached
-            # blocks cost only what taking them out of the free queue costs.
-            chunk = min(self.config.max_prefill_length, self.config.max_num_batched_tokens)
-            first_end = num_cached + min(req.num_tokens - num_cached, chunk, budget)
-            if not self.kv.admit(req.request_id, req.num_tokens, first_end, chunk, computed_blocks, num_cached):
+        starts = [] if out.preempted_ids else self._candidates(len(prefills), num_long)
+        shares = fair_shares([self._demand(r.num_tokens - r.num_computed_tokens) for r in prefills]
+                             + [self._demand(c.request.num_tokens - c.num_cached) for c in starts], budget)
+        chunks: list[ScheduledRequest] = []
+        for req, n in zip(prefills, shares):
+            if n and req.status is RequestStatus.RUNNING and self._reserve(req, n, scheduled, out):
+                chunks.append(ScheduledRequest(req, req.num_computed_tokens, n, True))
+                scheduled.add(req.request_id)
+        blocked: list[Request] = []  # waiting requests the pool could not take, passed over by later ones
+        for c, n in zip(starts, shares[len(prefills):]):
+            if out.preempted_ids or any(r.num_passed_over >= self.max_pass_over for r in blocked):
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = req.num_cached_tokens = num_cached
-            if self.kv.enable_caching:
-                out.prefix_cache_queries += req.num_tokens
-                out.prefix_cache_hits += num_cached
-                logger.debug("admitted request=%s prefix_cache_hit=%d of %d tokens", req.request_id, num_cached,
-                             req.num_tokens)
-            self.running.append(req)
-            n = self._chunk(req, budget)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, is_prefill=True))
-            scheduled_ids.add(req.request_id)
-            budget -= n
-        self.waiting.extendleft(reversed(deferred))  # they keep their place in the queue
+            if n == 0:
+                continue
+            if not self._admit(c, n, out):
+                blocked.append(c.request)
+                continue
+            for r in blocked:
+                r.num_passed_over += 1
+            chunks.append(ScheduledRequest(c.request, c.num_cached, n, True))
+            scheduled.add(c.request.request_id)
+        out.scheduled += self._top_up(chunks, budget - sum(s.num_new_tokens for s in chunks))
         for s in out.scheduled:
             if s.is_prefill:
                 self._log_chunk(s)
         return out
+
+    def _demand(self, tokens_left: int) -> int:
+        return min(tokens_left, self.config.max_prefill_length)
+
+    def _candidates(self, num_prefills: int, num_long: int) -> list[_Candidate]:
+        """Waiting requests that may start beside the running prefills, in queue order: within the partial-
+        prefill caps and max_num_seqs; a long one over the long cap, or one whose prefix a running request is
+        about to write (_prefix_in_flight), is passed over and keeps its place."""
+        room = min(self.limits.max_num_partial_prefills - num_prefills, self.config.max_num_seqs - len(self.running))
+        found: list[_Candidate] = []
+        for req in self.waiting:
+            if len(found) >= room:
+                break
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            if self._prefix_in_flight(req, num_cached, [c.request for c in found]):
+                continue
+            if self.limits.is_long(req.num_tokens - num_cached):
+                if num_long >= self.limits.max_long_partial_prefills:
+                    continue
+                num_long += 1
+            found.append(_Candidate(req, computed_blocks, num_cached))
+        return found
+
+    def _admit(self, c: _Candidate, n: int, out: SchedulerOutput) -> bool:
+        """Start c with an n-token first chunk if the pool can take its whole (re)prefill, so an admitted prompt
+        never stalls between chunks. Cached blocks cost only what taking them out of the free queue costs."""
+        req, num_cached = c.request, c.num_cached
+        chunk = min(self.config.max_prefill_length, self.config.max_num_batched_tokens)
+        if not self.kv.admit(req.request_id, req.num_tokens, num_cached + n, chunk, c.computed_blocks, num_cached):
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = req.num_cached_tokens = num_cached
+        req.num_passed_over = 0
+        if self.kv.enable_caching:
+            out.prefix_cache_queries += req.num_tokens
+            out.prefix_cache_hits += num_cached
+            logger.debug("admitted request=%s prefix_cache_hit=%d of %d tokens", req.request_id, num_cached,
+                         req.num_tokens)
+        self.running.append(req)
+        return True
+
+    def _top_up(self, chunks: list[ScheduledRequest], left: int) -> list[ScheduledRequest]:
+        """Budget a failed admission (or a preemption) left unused goes to the scheduled prefills, in order,
+        where the pool has the blocks without preempting anyone."""
+        topped = []
+        for s in chunks:
+            extra = min(left, self._demand(s.request.num_tokens - s.start_pos) - s.num_new_tokens)
+            if extra > 0 and self.kv.allocate(s.request.request_id, s.start_pos + s.num_new_tokens + extra,
+                                              num_computed=s.start_pos):
+                s = replace(s, num_new_tokens=s.num_new_tokens + extra)
+                left -= extra
+            topped.append(s)
+        return topped
 
     def schedule_ahead(self, sched: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `sched`, scheduled before sched's tokens are known (async scheduling): the same
@@ -174,8 +241,9 @@ class Scheduler:
             assert allocated, "free blocks were counted above"
         return SchedulerOutput([ScheduledRequest(s.request, s.start_pos + 1, 1, False) for s in sched.scheduled])
 
-    def _prefix_in_flight(self, req: Request, num_cached: int) -> bool:
-        """True when a running request has yet to write the next block of req's prefix that req could reuse.
+    def _prefix_in_flight(self, req: Request, num_cached: int, starting: list[Request]) -> bool:
+        """True when a running or starting request has yet to write the next block of req's prefix that req
+        could reuse.
 
         Waiting for it (one step, or until that request's chunked prefill passes the block) beats computing
         the same KV twice. This is how n > 1 siblings, admitted together, share their prompt: the first
@@ -188,28 +256,28 @@ class Scheduler:
         if end > req.num_tokens - 1:
             return False  # no further block of req would be reused: a hit stops before the last token
         tokens = req.all_token_ids
-        for other in self.running:
+        for other in self.running + starting:
             ids = other.all_token_ids
             if (other.num_computed_tokens < end <= len(ids) and ids[num_cached:end] == tokens[num_cached:end]
                     and ids[:num_cached] == tokens[:num_cached]):
                 return True
         return False
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        remaining = req.num_tokens - req.num_computed_tokens
-        if req.is_prefilling:
-            return min(remaining, self.config.max_prefill_length, budget)
-        return min(remaining, budget)
-
     def _reserve(self, req: Request, n: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
         """Make room for n more tokens of req, preempting the newest unscheduled requests if needed."""
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + n, num_computed=req.num_computed_tokens):
-            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+            victim = self._victim([r for r in self.running if r.request_id not in scheduled_ids])
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is req:
                 return False
         return True
+
+    def _victim(self, unscheduled: list[Request]) -> Request:
+        """fcfs: the newest request; priority: the lowest priority (largest value), newest among equals."""
+        if self.waiting.policy == "fcfs":
+            return unscheduled[-1]
+        return max(unscheduled, key=self.waiting.key)
 
     def restart(self, reqs: list[Request]) -> None:
         """Recompute these running requests from their first token, ahead of the queue in their order (their
@@ -225,7 +293,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def _log_chunk(self, s: ScheduledRequest) -> None:

@@ -15,6 +15,7 @@ from ladle.config import (
 from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
+from ladle.engine.partial_prefill import resolve_partial_prefills
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import select_backend
 from ladle.kv_cache.specs import KVCacheLayout
@@ -119,12 +120,14 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
         typed["kv_cache_memory_bytes"] = parse_bytes(args.kv_cache_memory_bytes)
     plan = plan_memory(inputs, typed, prov.put)
+    limits = resolve_partial_prefills(args, prov, plan.max_num_batched_tokens)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
         max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
+        partial_prefills=limits, scheduling_policy=args.scheduling_policy,
         settings=prov.settings, plan=plan, kv_layout=layout,
     )
     return Loaded(model, hf_config, config)

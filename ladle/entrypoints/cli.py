@@ -33,8 +33,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=S, help="default: the model's max_position_embeddings")
     p.add_argument("--max-num-batched-tokens", type=int, default=S,
                    help="tokens per forward call (default: the largest multiple of 64 that fits memory, <= 8192)")
-    p.add_argument("--max-prefill-length", "--long-prefill-token-threshold", dest="max_prefill_length",
-                   type=int, default=S, help="prompt tokens of one request per step (default: the step budget)")
+    p.add_argument("--max-prefill-length", type=int, default=S,
+                   help="prompt tokens of one request per step (default: the step budget)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=S,
+                   help="requests prefilling in one step, sharing what decodes leave (default min(4, max_num_seqs))")
+    p.add_argument("--max-long-partial-prefills", type=int, default=S,
+                   help="of those, how many may be long (default 1): short prompts start beside a long one")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=S,
+                   help="a prefill with more tokens left than this is long (default: the step budget)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=S,
+                   help="fcfs (default) or priority: lower request priority first, and preempted last")
     p.add_argument("--max-num-seqs", type=int, default=S,
                    help="requests running at once (default 256)")
     p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
@@ -65,12 +73,13 @@ def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
-               "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
+               "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
+               "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
                "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
                "async_scheduling", "load_format", "profile_cache", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
-    [k for k in ENGINE_KEYS if "_" in k] + ["long_prefill_token_threshold", "num_gpu_blocks_override"],
+    [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],
     key=len, reverse=True)) + r")\b")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
@@ -40,6 +41,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.core.stats
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's LLM.reset_prefix_cache), e.g. between benchmark repeats."""
+        return self.engine.core.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -48,8 +53,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (use_tqdm: show a progress bar, or a tqdm factory to make it).
+        """Generate for every prompt (use_tqdm: show a progress bar, or a tqdm factory to make it; priority:
+        one per prompt, lower first, for an engine with scheduling_policy="priority").
         All prompts are checked before any work starts: if one can never fit
         (prompt + max_tokens > max_model_len, or more KV than the whole pool), the call raises ValueError
         naming that prompt and runs nothing."""
@@ -65,6 +72,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
+            params_list = [replace(p, priority=v) for p, v in zip(params_list, priority)]
         pending = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self.engine.tokenize(prompt)

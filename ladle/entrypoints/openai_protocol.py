@@ -79,6 +79,7 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's extra: lower first, with --scheduling-policy priority
     user: Text | None = None
 
 

@@ -102,6 +102,14 @@ class BlockPool:
         self.cache_ids[block_id] = ROOT_CACHE_ID
         self.num_evictions += 1
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any block is in use."""
+        if any(self.ref_counts):
+            return False
+        for block_id in range(self.num_blocks):
+            self._evict(block_id)
+        return True
+
     @property
     def num_cached(self) -> int:
         return len(self.cached_block_hash_to_block)
