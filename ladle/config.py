@@ -50,6 +50,8 @@ class EngineArgs:
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
+    num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
+    reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
     seed: int = 0
 
     @classmethod
@@ -71,10 +73,12 @@ class EngineArgs:
         directory), so a typo costs the time of an import, not of loading and profiling."""
         for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks",
                      "max_cudagraph_capture_size", "max_num_partial_prefills", "max_long_partial_prefills",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "num_threads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         positive_int("max_num_seqs", self.max_num_seqs)
+        if isinstance(self.reserved_cpus, bool) or not isinstance(self.reserved_cpus, int) or self.reserved_cpus < 0:
+            raise ValueError(f"reserved_cpus must be an integer >= 0, got {self.reserved_cpus!r}")
         positive_int("block_size", self.block_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} is not an integer")

@@ -170,7 +170,6 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
     # ignores it and stops when told (or when the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
-    _leave_a_core_for_the_api_process()
     try:
         from ladle.engine.core import EngineCore
 
@@ -192,18 +191,6 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         logger.error("engine loop failed:\n%s", traceback.format_exc())
         _send_quietly(conn, ("fatal", f"{type(e).__name__}: {e}"))
         os._exit(1)
-
-
-def _leave_a_core_for_the_api_process() -> None:
-    """On CPU, torch's thread team spins at barriers; if it spans every core, each time the API process
-    (detokenizing, streaming) takes one, a whole step stalls: measured on 2 cores, decode steps went from
-    1 ms to 10-20 ms. One core fewer keeps steps steady. An explicit OMP_NUM_THREADS wins."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
 
 
 def _send_quietly(conn: Connection, msg: tuple) -> None:

@@ -16,6 +16,7 @@ from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_b
 from ladle.engine import profile_cache
 from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
+from ladle.engine.threads import apply_threads, resolve_threads
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import select_backend
 from ladle.kv_cache.specs import KVCacheLayout
@@ -81,6 +82,9 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int,
 def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     prov = Provenance(explicit)
     device, dtype = resolve_basics(args, prov)
+    # Before anything runs in parallel: torch's thread team is created at the first parallel op, and its
+    # threads inherit this thread's CPU mask.
+    apply_threads(resolve_threads(args, prov), device, pin=args.reserved_cpus > 0)
     free, total = free_memory_bytes(device), total_memory_bytes(device)
     user_cap = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     budget, budget_reason = device_budget(device, args.gpu_memory_utilization, user_cap, free, total)

@@ -63,6 +63,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="reuse the activation profile stored by an earlier start of the same model, dtype, "
                         "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
+    p.add_argument("--num-threads", type=int, default=S,
+                   help="CPU: torch threads (default: the CPUs this process may use; serve leaves one for its API "
+                        "process and pins the engine to the rest)")
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -74,9 +77,9 @@ def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
 
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
                "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
-               "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_budget",
-               "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
-               "async_scheduling", "load_format", "profile_cache", "seed")
+               "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
+               "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
+               "async_scheduling", "load_format", "profile_cache", "num_threads", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],

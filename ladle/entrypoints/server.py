@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -88,6 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     engine_args, explicit = engine_args_from_flags(args, args.model_tag or args.model)
+    # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.
+    engine_args = dataclasses.replace(engine_args, reserved_cpus=1)
     model = engine_args.model
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     sock = _listen(args.host, args.port)  # a port in use fails now, before anything loads
