@@ -181,7 +181,7 @@ def serve(r: dict[str, Any]) -> list[str]:
     pts = r["points"]
     rows = [[p["request_rate"], p["num_prompts"], p["requests_per_s"], p["output_tok_per_s"]]
             + [f"{p[k]['median']:.0f} / {p[k]['p99']:.0f}" for k in LAT] for p in pts]
-    lines = ["## 5. Serving: latency vs request rate", "",
+    lines = ["## 6. Serving: latency vs request rate", "",
              f"`ladle serve {r['server_flags']}` (OMP_NUM_THREADS={r['server_threads']}) on 127.0.0.1, started "
              f"as a subprocess (healthy after {r['server_startup_s']:.0f} s). Per rate: Poisson arrivals for about "
              f"{r['seconds']:.0f} s, prompts uniform in {r['input_len']}, outputs in {r['output_len']} tokens "

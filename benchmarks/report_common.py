@@ -40,7 +40,8 @@ def table(head: list[str], rows: list[list[Any]]) -> list[str]:
 
 def header(r: dict[str, Any], plot: str) -> list[str]:
     m, cfg = r["machine"], r.get("model_config", {})
-    return [f"Reproduce: `OMP_NUM_THREADS={m.get('OMP_NUM_THREADS') or ''} {r['command']}`", "",
+    omp = f"OMP_NUM_THREADS={m['OMP_NUM_THREADS']} " if m.get("OMP_NUM_THREADS") else ""
+    return [f"Reproduce: `{omp}{r['command']}`", "",
             f"Model `{r.get('model')}`: Qwen3, hidden {cfg.get('hidden_size')}, {cfg.get('num_hidden_layers')} "
             f"layers, {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} heads x "
             f"{cfg.get('head_dim')}, MLP {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}, random "
