@@ -24,6 +24,9 @@ MODELS: dict[str, dict[str, Any]] = {
     # Narrow, for the 32K-token measurements (memory, stalls) that must finish in minutes on 2 cores.
     "qwen3-256": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=32768),
+    # About 100M parameters: the vLLM side-by-side model.
+    "qwen3-768": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, intermediate_size=2048, max_position_embeddings=32768),
     # qwen3-256 (the demo model's shape) with room for a 100K-token prompt.
     "qwen3-256-128k": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=131072),
