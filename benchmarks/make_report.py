@@ -15,6 +15,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_common import HERE, LAT, OUT, RESULTS, header, load, notes, plt, save_plot, table  # noqa: E402
+from report_peers import vllm_peer  # noqa: E402
 from report_scheduling import fairness  # noqa: E402
 
 
@@ -206,7 +207,8 @@ def serve(r: dict[str, Any]) -> list[str]:
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("offline_throughput", offline), ("offline_throughput_moe", offline_variant),
     ("offline_throughput_qwen3_5", offline_variant), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
-    ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve)]
+    ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
+    ("vllm_side_by_side", vllm_peer)]
 
 
 GPU_GOALS = [

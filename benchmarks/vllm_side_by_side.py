@@ -69,7 +69,9 @@ def main() -> None:
                    "generate_s_per_repeat": {e: [r["generate_s"] for r in rs] for e, rs in runs.items()}}
             print(row, flush=True)
             rows.append(row)
-    save(args.out, {"benchmark": "vllm_side_by_side", "model": args.model_name,
+    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+    save(args.out, {"benchmark": "vllm_side_by_side", "model": args.model_name, "vllm_version": version,
                     "model_config": model_facts(model_dir), "workload": {
                         "num_prompts": args.num_prompts, "input_len": args.input_len,
                         "output_len": args.output_len, "prompt_tokens": work.num_prompt_tokens,
