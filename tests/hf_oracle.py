@@ -25,3 +25,9 @@ def hf_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + generated])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(generated)]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def ladle_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """ladle's side of the comparison: each token-id prompt's output token ids, in prompt order."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]

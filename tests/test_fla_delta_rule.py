@@ -42,7 +42,7 @@ def _meta(lens: list[int], slots: list[int], continuing: list[bool]) -> StateMet
     for n in lens:
         cu.append(cu[-1] + n)
     return StateMetadata(torch.tensor(slots, device=DEVICE), tuple(slots), torch.tensor(cu, device=DEVICE),
-                         tuple(cu), tuple(continuing))
+                         torch.tensor(cu), tuple(cu), tuple(continuing))
 
 
 def test_the_fla_rule_matches_the_reference_across_steps():

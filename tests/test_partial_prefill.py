@@ -10,7 +10,7 @@ from ladle.engine.scheduler import Scheduler
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected, RequestStatus
 from ladle.sampling_params import SamplingParams
-from test_scheduler import run
+from test_scheduler import advance, run
 
 
 def make_scheduler(budget=64, limits=(4, 1, 64), blocks=400, block_size=4, max_seqs=16, policy="fcfs",
@@ -28,15 +28,6 @@ def make_request(rid, prompt_len, max_tokens=2, priority=0, arrival=None):
     if arrival is not None:
         req.arrival_time = arrival
     return req
-
-
-def advance(sched, out):
-    for s in out.scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            s.request.append_output(7, None)
-            if s.request.num_output_tokens >= s.request.max_tokens:
-                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
 
 
 def chunks(out):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hf_oracle import hf_greedy
+from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 
 NEW_TOKENS = 6
@@ -62,19 +62,14 @@ def case(request, tmp_path_factory):
     return str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("budget,chunk", CONFIGS)
 def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
     path, _, prompts, want = case
     kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
     llm = LLM(path, num_kv_blocks=128, **kwargs)
-    assert _tokens(llm, prompts) == want
+    assert ladle_tokens(llm, prompts, GREEDY) == want
     assert llm.stats.max_step_tokens <= budget
-    assert _tokens(llm, prompts) == want  # a second identical pass: no state left behind by the first
+    assert ladle_tokens(llm, prompts, GREEDY) == want  # a second identical pass: no state left behind by the first
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == 128 and not kv.state_slots
 
@@ -85,7 +80,7 @@ def test_greedy_equals_hf_under_preemption(case):
     want = [hf_greedy(hf, p, 24) for p in prompts]
     # 40 + 24 tokens = 4 blocks per request in each full-attention group: 9 blocks hold about 2 of the 6.
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=9, max_prefill_length=19)
-    assert _tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
+    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
     assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 9
 
 
@@ -115,7 +110,7 @@ def test_state_per_request_does_not_grow_with_the_prompt(tmp_path):
     seen: list[tuple[int, int]] = []
     core.before_execute = lambda sched: seen.extend(
         (core.kv.held_blocks(s.request.request_id), len(core.kv.state_slots)) for s in sched.scheduled)
-    _tokens(llm, _prompts([3000], 9), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    ladle_tokens(llm, _prompts([3000], 9), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert max(b for b, _ in seen) == -(-3001 // 16) and {n for _, n in seen} == {1}
     assert [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.runner.kv_caches[i]] == before
     # The plan's per-token bytes count the one full-attention layer; the state is per request.
@@ -178,4 +173,4 @@ def test_an_image_text_checkpoint_serves_its_text_model(tmp_path):
               metadata={"format": "pt"})
     prompts = _prompts([1, 23, 130], 9)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert _tokens(LLM(str(tmp_path), max_num_batched_tokens=7), prompts) == want
+    assert ladle_tokens(LLM(str(tmp_path), max_num_batched_tokens=7), prompts, GREEDY) == want

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_oracle import hf_greedy
+from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.engine.memory import measure_peak
 from ladle.models.moe import SparseMoeBlock, route
@@ -51,21 +51,16 @@ def expected(hf_moe) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [hf_greedy(hf_moe, p, NEW_TOKENS) for p in prompts]
 
 
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("budget,chunk", CONFIGS)
 def test_greedy_equals_hf_for_every_budget_and_chunk(moe_dir, expected, budget, chunk):
     prompts, want = expected
     kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
     llm = LLM(moe_dir, num_kv_blocks=128, **kwargs)
-    assert _tokens(llm, prompts) == want
+    assert ladle_tokens(llm, prompts, GREEDY) == want
     assert llm.stats.max_step_tokens <= budget
     # A second identical pass is served from the prefix cache and gives the same tokens.
     hits = llm.stats.prefix_cache_hits
-    assert _tokens(llm, prompts) == want and llm.stats.prefix_cache_hits > hits
+    assert ladle_tokens(llm, prompts, GREEDY) == want and llm.stats.prefix_cache_hits > hits
 
 
 def test_greedy_equals_hf_under_preemption(moe_dir, hf_moe):

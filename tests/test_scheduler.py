@@ -31,14 +31,19 @@ def run(sched, on_step=None):
         steps.append(out)
         if on_step:
             on_step(out)
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                s.request.append_output(7, None)
-                if s.request.num_output_tokens >= s.request.max_tokens:
-                    sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+        advance(sched, out)
         assert len(steps) < 10_000
     return steps
+
+
+def advance(sched, out):
+    """What the core does after a step: count the computed tokens, append token 7 where one is sampled."""
+    for s in out.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            s.request.append_output(7, None)
+            if s.request.num_output_tokens >= s.request.max_tokens:
+                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
 
 
 def test_budget_and_chunk_cap_hold_every_step():

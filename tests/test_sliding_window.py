@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_oracle import hf_greedy
+from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.kv_cache.specs import blocks_held
 
@@ -44,19 +44,15 @@ def case(request, tmp_path_factory):
     return path, hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("budget,chunk", CONFIGS)
 def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
     path, _, prompts, want = case
     kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
     llm = LLM(path, num_kv_blocks=256, max_model_len=1024, **kwargs)
-    assert _tokens(llm, prompts) == want
+    assert ladle_tokens(llm, prompts, GREEDY) == want
     hits = llm.stats.prefix_cache_hits
-    assert _tokens(llm, prompts) == want and llm.stats.prefix_cache_hits > hits  # served from the prefix cache
+    # Served from the prefix cache:
+    assert ladle_tokens(llm, prompts, GREEDY) == want and llm.stats.prefix_cache_hits > hits
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts)
 
@@ -66,7 +62,7 @@ def test_greedy_equals_hf_under_preemption(case):
     prompts = _prompts([40] * 6, 22)
     want = [hf_greedy(hf, p, 24) for p in prompts]
     llm = LLM(path, max_num_batched_tokens=128, num_kv_blocks=12, max_model_len=1024)
-    assert _tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
+    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
     assert llm.stats.num_preemptions > 0
     assert llm.engine.core.kv.num_free_blocks == 12
 

@@ -33,6 +33,7 @@ class StateMetadata:
     slots: torch.Tensor  # [B] int64, on the device
     slots_host: tuple[int, ...]
     cu_seqlens: torch.Tensor  # [B+1] int64, on the device
+    cu_seqlens_cpu: torch.Tensor  # the same on the host, for kernels that plan their launch from it
     cu_seqlens_host: tuple[int, ...]  # [B+1]: the new tokens of request i are rows cu[i]:cu[i+1]
     has_initial_state: tuple[bool, ...]  # False for a request's first chunk: its state starts at zero
 

@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from ladle.config import EngineArgs, EngineConfig
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.setup import load_and_plan
-from ladle.engine.scheduler import Scheduler, SchedulerOutput
+from ladle.engine.scheduler import Scheduler
+from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ladle.engine.scheduler import SchedulerOutput
+from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.worker.payload import NewRequest, RequestDiff, StateUpdate
 

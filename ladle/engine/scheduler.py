@@ -16,60 +16,17 @@ admission counts only the blocks it will take from the free queue.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ladle.config import EngineConfig
 from ladle.engine.partial_prefill import default_limits, fair_shares
 from ladle.engine.request_queue import RequestQueue
+from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected, RequestStatus
 
 logger = logging.getLogger("ladle.scheduler")
 MAX_PASS_OVER = 32  # admissions that may jump ahead of a waiting request the KV pool cannot take yet
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    start_pos: int  # num_computed_tokens when scheduled
-    num_new_tokens: int
-    is_prefill: bool  # a (re)prefill chunk rather than one decode token
-
-    @property
-    def samples(self) -> bool:
-        """A token is sampled only when this chunk reaches the end of the request's known tokens."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    prefix_cache_queries: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens served from the cache
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if not s.is_prefill)
-
-    @property
-    def num_prefill_chunks(self) -> int:
-        return len(self.scheduled) - self.num_decodes
-
-    def shrink(self, max_tokens: int) -> "SchedulerOutput":
-        """The same step cut to max_tokens tokens, in schedule order (decodes first). A request cut short
-        or dropped simply has fewer tokens computed this step; its blocks and slots stay as they were."""
-        kept, left = [], max_tokens
-        for s in self.scheduled:
-            n = min(s.num_new_tokens, left)
-            if n > 0:
-                kept.append(replace(s, num_new_tokens=n))
-                left -= n
-        return replace(self, scheduled=kept)
 
 
 @dataclass(frozen=True)
@@ -136,7 +93,7 @@ class Scheduler:
         prefills = [r for r in running if r.is_prefilling and r.status is RequestStatus.RUNNING]
         num_long = sum(self.limits.is_long(r.num_tokens - r.num_computed_tokens) for r in prefills)
         # A step that preempted is short of blocks: admitting now would only thrash.
-        starts = [] if out.preempted_ids else self._candidates(len(prefills), num_long)
+        starts = [] if out.preempted_ids or budget == 0 else self._candidates(len(prefills), num_long)
         shares = fair_shares([self._demand(r.num_tokens - r.num_computed_tokens) for r in prefills]
                              + [self._demand(c.request.num_tokens - c.num_cached) for c in starts], budget)
         chunks: list[ScheduledRequest] = []

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ladle.engine.scheduler import ScheduledRequest, SchedulerOutput
+from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
 from ladle.worker.model_runner import ModelRunner, SampledToken
 from ladle.worker.payload import ChunkSpec

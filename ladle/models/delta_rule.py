@@ -109,7 +109,6 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         initial[fresh] = 0
     out, final = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
                            initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                           cu_seqlens=meta.cu_seqlens,
-                           cu_seqlens_cpu=torch.tensor(meta.cu_seqlens_host, dtype=torch.int64))
+                           cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
     rec_state[meta.slots] = final.to(rec_state.dtype)
     return out[0].float()

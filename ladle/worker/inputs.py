@@ -127,8 +127,9 @@ def build_step_inputs(
         slots = tuple(c.state_slot for c in chunks)
         if min(slots) < 0:
             raise ValueError("a model with per-request state needs every chunk's state slot")
-        state = StateMetadata(as_tensor(list(slots), torch.int64), slots, as_tensor(cu, torch.int64), tuple(cu),
-                              tuple(c.start_pos > 0 for c in chunks))
+        cu_cpu = torch.tensor(cu, dtype=torch.int64)
+        state = StateMetadata(as_tensor(list(slots), torch.int64), slots, as_tensor(cu, torch.int64), cu_cpu,
+                              tuple(cu), tuple(c.start_pos > 0 for c in chunks))
         groups += [state] * num_state_groups
     return StepInputs(
         input_ids=as_tensor([t for c in chunks for t in c.token_ids], torch.int64),

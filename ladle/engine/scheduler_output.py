@@ -1,0 +1,50 @@
+"""What the scheduler decides for one step: which requests run, how many new tokens each, who was preempted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ladle.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start_pos: int  # num_computed_tokens when scheduled
+    num_new_tokens: int
+    is_prefill: bool  # a (re)prefill chunk rather than one decode token
+
+    @property
+    def samples(self) -> bool:
+        """A token is sampled only when this chunk reaches the end of the request's known tokens."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    prefix_cache_queries: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def num_prefill_chunks(self) -> int:
+        return len(self.scheduled) - self.num_decodes
+
+    def shrink(self, max_tokens: int) -> "SchedulerOutput":
+        """The same step cut to max_tokens tokens, in schedule order (decodes first). A request cut short
+        or dropped simply has fewer tokens computed this step; its blocks and slots stay as they were."""
+        kept, left = [], max_tokens
+        for s in self.scheduled:
+            n = min(s.num_new_tokens, left)
+            if n > 0:
+                kept.append(replace(s, num_new_tokens=n))
+                left -= n
+        return replace(self, scheduled=kept)
