@@ -3,6 +3,7 @@ body size limit (413), all answered in OpenAI's error envelope. It also counts t
 shutdown can wait for their responses to be written."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ from ladle.entrypoints.openai_protocol import OpenAIError
 
 # Routes that stay open without a key and while draining: probes and scrapers must see the truth.
 OPEN_PATHS = ("/health", "/metrics")
+# How long a refused request may go on sending its body (see refuse()); nginx lingers the same way.
+LINGER_TOTAL_S = 10.0
+LINGER_IDLE_S = 2.0
 
 
 @dataclass
@@ -26,12 +30,34 @@ class EdgeState:
     in_flight: int = 0  # HTTP requests inside the app, streams included
 
 
-async def send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+async def refuse(receive: Receive, send: Send, status: int, message: str, code: str,
+                 headers: dict[str, str] | None = None) -> None:
+    """Answer an error without reading the request, then linger: discard what the client still sends before
+    the connection closes. Closing a socket with unread bytes makes the kernel reset it, and a reset can take
+    the answer's unsent bytes with it, so the client would see a dropped connection instead of the error."""
     body = OpenAIError(status, message, code).response().model_dump_json().encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+    # The whole answer goes out now (content-length tells the client it is complete); the empty last part
+    # after the drain is what lets the server close.
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await _drain(receive)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of the request body, for at most LINGER_TOTAL_S and while the client keeps
+    sending (LINGER_IDLE_S between parts), so a client that never stops cannot hold the connection."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_TOTAL_S
+    while (left := deadline - loop.time()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), min(left, LINGER_IDLE_S))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 class EdgeMiddleware:
@@ -47,11 +73,11 @@ class EdgeMiddleware:
             return
         path = scope["path"]
         if self.state.draining and path not in OPEN_PATHS:
-            await send_error(send, 503, "the server is shutting down", "server_shutting_down")
+            await refuse(receive, send, 503, "the server is shutting down", "server_shutting_down")
             return
         if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
-            await send_error(send, 401, "a valid API key is required: send the header 'Authorization: Bearer "
-                             "<key>'", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            await refuse(receive, send, 401, "a valid API key is required: send the header 'Authorization: "
+                         "Bearer <key>'", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             return
         body = await self._read_body(scope, receive, send)
         if body is None:
@@ -78,7 +104,7 @@ class EdgeMiddleware:
         limit = self.limits.max_request_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await self._too_large(send, int(value))
+                await self._too_large(receive, send, int(value))
                 return None
         chunks, size = [], 0
         while True:
@@ -88,16 +114,16 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await self._too_large(send, size)
+                await self._too_large(receive, send, size)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, send: Send, size: int) -> None:
-        await send_error(send, 413, f"the request body ({size} bytes or more) exceeds the server's limit of "
-                         f"{self.limits.max_request_body_bytes} bytes (--max-request-body-bytes)",
-                         "request_too_large", {"Connection": "close"})
+    async def _too_large(self, receive: Receive, send: Send, size: int) -> None:
+        await refuse(receive, send, 413, f"the request body ({size} bytes or more) exceeds the server's "
+                     f"limit of {self.limits.max_request_body_bytes} bytes (--max-request-body-bytes)",
+                     "request_too_large", {"Connection": "close"})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
