@@ -64,7 +64,7 @@ class EngineCore:
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  windows=layout.windows, num_state_slots=slots)
         self.scheduler = Scheduler(cfg, self.kv)
-        caches = allocate_kv_caches(layout, hf_config.num_hidden_layers, cfg.num_kv_blocks, cfg.device, slots)
+        caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device, slots)
         # Room for every running request, and as many again for preempted ones coming back; one per group.
         tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
                   for _ in layout.groups]

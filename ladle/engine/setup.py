@@ -101,7 +101,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
-    layout = KVCacheLayout.of(model.cache_specs(dtype), args.block_size)
+    context = args.max_model_len or model_max
+    layout = KVCacheLayout.of(model.cache_specs(dtype, context), args.block_size)
     graph_batch = resolve_cudagraph_size(args, device, prov)
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
@@ -109,7 +110,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     for group in layout.groups:
         select_backend(device, group.spec)  # fails now, with the reason, if a group has no backend here
 
-    context = args.max_model_len or model_max
     points = _activation_profile(args, prov, model, hf_config, layout, device, context)
     activation = fit_activation_model(points, args.max_num_seqs)
 

@@ -37,17 +37,20 @@ class AttentionSpec:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    kv_shared: bool = False  # one vector per token is both key and value (DeepSeek-V4): one tensor, not two
 
     def page_bytes(self, block_size: int) -> int:
         """One layer's K and V for one block."""
-        return 2 * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return (1 if self.kv_shared else 2) * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
         return blocks_held(self.sliding_window, num_tokens, block_size, chunk)
 
     def describe(self) -> str:
         kind = "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
-        return f"{kind}, {self.num_kv_heads} kv heads x {self.head_dim}, {str(self.dtype).removeprefix('torch.')}"
+        shared = ", key = value" if self.kv_shared else ""
+        return (f"{kind}, {self.num_kv_heads} kv heads x {self.head_dim}{shared}, "
+                f"{str(self.dtype).removeprefix('torch.')}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def group_layers(specs: Sequence[CacheSpec]) -> tuple[KVCacheGroup, ...]:
     """The paged layers with equal specs, grouped in order of first appearance."""
     groups = tuple(KVCacheGroup(spec, layers) for spec, layers in _by_spec(specs, AttentionSpec).items())
     pages = {g.spec.page_bytes(1) for g in groups}
-    if len(pages) > 1:
+    if len(pages) > 1 or len({g.spec.kv_shared for g in groups}) > 1:
         raise NotImplementedError("KV cache groups with different page sizes (kv heads x head dim x dtype) are not "
                                   "supported yet")
     return groups

@@ -93,8 +93,9 @@ class DecoderForCausalLM(nn.Module):
         """The layers, embedding and final norm (`model.*` in the checkpoint)."""
         return DecoderModel(config, self.qk_norm, self.make_mlp)
 
-    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
-        """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype."""
+    def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
+        """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype (max_model_len
+        matters only to models whose per-request state grows with it)."""
         return attention_specs(self.config, dtype)
 
     def __init__(self, config: Any) -> None:

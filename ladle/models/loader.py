@@ -89,6 +89,8 @@ def load_model(
 
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        if hasattr(model, "init_dummy_buffers"):  # buffers that must hold valid values (a hash-routing table)
+            model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
         return model.requires_grad_(False).eval(), config
     loaded = model.load_weights(
         (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)

@@ -53,7 +53,7 @@ class TorchOps:
 
     @staticmethod
     def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
         """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and ids [T, k] -> [T, H]: the step's tokens grouped
         by expert, one matmul pair per expert that has tokens, the weighted results added in expert order
         (as HF transformers does, so fp32 outputs match it)."""
@@ -71,6 +71,8 @@ class TorchOps:
             start += n
             tokens = pairs // top_k
             gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+            if swiglu_limit is not None:  # DeepSeek-V4 clamps both halves
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
             h = F.linear(F.silu(gate) * up, w2[expert]) * flat_weights[pairs, None]
             out.index_add_(0, tokens, h)
         return out
@@ -122,9 +124,11 @@ class TritonOps:
 
     @staticmethod
     def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
         from ladle.kernels import triton_moe
 
+        if swiglu_limit is not None:  # the Triton kernel has no clamp yet
+            return TorchOps.fused_experts(x, w13, w2, weights, ids, swiglu_limit)
         return triton_moe.fused_experts(x, w13, w2, weights, ids)
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

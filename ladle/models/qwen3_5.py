@@ -141,7 +141,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}")
         return HybridModel(config, self.cache_specs(torch.float32), self.make_mlp)
 
-    def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
+    def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         config = self.config
         specs: list[CacheSpec] = []
         for kind in config.layer_types:

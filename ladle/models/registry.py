@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from ladle.models.deepseek_v4 import DeepseekV4ForCausalLM
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
@@ -19,6 +20,7 @@ _MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     # Image-text checkpoints whose text model ladle serves: built from their text_config (text_config_of).
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,

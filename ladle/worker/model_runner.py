@@ -55,8 +55,10 @@ def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, 
     state layer gets its own tensors, [num_state_slots, *shape] for each of its spec's shapes."""
     spec = layout.groups[0].spec
     shape = (num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim)
-    pairs = [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-             for _ in range(layout.num_tensors)]
+    pairs = []
+    for _ in range(layout.num_tensors):
+        k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        pairs.append((k, k) if spec.kv_shared else (k, torch.zeros(shape, dtype=spec.dtype, device=device)))
     caches: list[tuple[torch.Tensor, ...]] = [pairs[i] if i >= 0 else () for _, i in layout.layer_slots(num_layers)]
     for group in layout.state_groups:
         for layer in group.layers:

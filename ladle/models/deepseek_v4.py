@@ -1,0 +1,287 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM): hyper-connected residual streams around sliding-window, compressed-
+sparse and heavily-compressed attention layers, and MoE layers routed by score or by a token-id hash.
+
+Parameters carry the checkpoint's own names (`layers.N.attn.wq_a`, `layers.N.ffn.experts.J.w1`, `hc_head_fn`,
+...), which is how HF transformers saves this model too (it renames on load).
+
+Caches, per layer: the sliding window's K=V vectors in the paged pool (one tensor, kv_shared); and for a
+compressed layer a state slot holding its compressors' pending projections and emitted entries
+(ladle.models.deepseek_v4_compressor). The slots are extra cache layers after the model's own: cache layer
+num_hidden_layers + j is the j-th compressed layer's state.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
+from ladle.models.deepseek_v4_attention import LAYER_TYPES, Dsv4Attention, Dsv4Rope
+from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
+from ladle.models.ops import ModelOps, TorchOps
+
+_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
+            "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+
+
+def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+                  iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, H] -> (post [T, n], comb [T, n, n], the streams collapsed by pre [T, H]), all weights
+    from one projection of the normed streams, in fp32; comb is made doubly stochastic by Sinkhorn."""
+    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
+    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+class ClampedMLP(nn.Module):
+    """The shared expert: SwiGLU with the gate clamped above and the up projection clamped both ways."""
+
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        return self.w2(F.silu(gate) * self.w3(x).clamp(min=-self.limit, max=self.limit))
+
+
+class Gate(nn.Module):
+    """The router: sqrtsoftplus (or softmax / sigmoid) scores; the experts come from top-k of score + bias,
+    or from the frozen tid2eid table of a hash layer; their scores, renormalised, times routed_scaling_factor."""
+
+    def __init__(self, config: Any, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
+        self.scoring = config.scoring_func
+        if self.scoring not in ("sqrtsoftplus", "softmax", "sigmoid"):
+            raise ValueError(f"scoring_func {self.scoring!r} is not supported; supported: sqrtsoftplus, softmax, "
+                             "sigmoid")
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.hashed = hashed
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts))  # e_score_correction_bias
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stacked as w13 [E, 2I, H] and w2 [E, H, I], filled from `experts.J.w1/w3/w2`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.inter, self.num_experts, self.limit = i, e, config.swiglu_limit
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.ops: ModelOps = TorchOps()
+
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        i = self.inter
+        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for j in range(self.num_experts):
+            views[f"{prefix}.{j}.w1.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :i])
+            views[f"{prefix}.{j}.w3.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, i:])
+            views[f"{prefix}.{j}.w2.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
+        return views
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.fused_experts(x, self.w13, self.w2, weights.to(x.dtype), ids, self.limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: Any, hashed: bool) -> None:
+        super().__init__()
+        self.gate = Gate(config, hashed)
+        self.experts = Experts(config)
+        self.shared_experts = ClampedMLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
+        self.force_worst_routing = False  # profiling: every token to experts 0..k-1
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        if self.force_worst_routing:
+            ids = torch.arange(ids.shape[1], device=x.device).expand_as(ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        h, n = config.hidden_size, config.hc_mult
+        self.attn = Dsv4Attention(config, config.layer_types[layer_idx])
+        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.attn_norm, self.ffn_norm = Dsv4RMSNorm(h, config.rms_norm_eps), Dsv4RMSNorm(h, config.rms_norm_eps)
+        mix = (2 + n) * n
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", nn.Parameter(torch.empty(mix, n * h)))
+            setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
+            setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+        self.hc = (n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+
+    def _mixed(self, part: str, streams: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        post, comb, collapsed = hyper_weights(streams, getattr(self, f"hc_{part}_fn"),
+                                              getattr(self, f"hc_{part}_base"), getattr(self, f"hc_{part}_scale"),
+                                              *self.hc)
+        out = block(collapsed)
+        dtype = streams.dtype
+        # comb mixes the input streams transposed: output stream k gets sum_j comb[j, k] * stream j.
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                               streams)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, rope: Any,
+                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata, state: tuple[torch.Tensor, ...],
+                smeta: StateMetadata | None) -> torch.Tensor:
+        streams = self._mixed("attn", streams, lambda h: self.attn(self.attn_norm(h), positions, rope, kv_cache,
+                                                                   attn, state, smeta))
+        return self._mixed("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), input_ids))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        h, n = config.hidden_size, config.hc_mult
+        weight = torch.empty(config.vocab_size, h)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed = nn.Embedding(config.vocab_size, h, _weight=weight)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Dsv4RMSNorm(h, config.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * h))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.head = None if self.tie_word_embeddings else nn.Linear(h, config.vocab_size, bias=False)
+        self.ropes = nn.ModuleDict({kind: Dsv4Rope(config, kind) for kind in ("main", "compress")})
+        self.compressed = [i for i, kind in enumerate(config.layer_types) if kind != "sliding_attention"]
+        self.layer_group = layer_groups(self.cache_specs(torch.float32, 1))
+
+    def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
+        """Layer i: its window's K=V vectors, paged; then one state slot per compressed layer, sized for
+        max_model_len (the model's own limit when not given)."""
+        config = self.config
+        context = max_model_len or config.max_position_embeddings
+        window = AttentionSpec(1, config.head_dim, dtype, config.sliding_window, kv_shared=True)
+        specs: list[CacheSpec] = [window] * config.num_hidden_layers
+        for i in self.compressed:
+            shapes = tuple(self.layers[i].attn.state_shapes(context))
+            specs.append(StateSpec(shapes, (dtype,) * len(shapes), f"{config.layer_types[i]} compressor state"))
+        return specs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
+                meta: tuple[AttentionMetadata | StateMetadata, ...]) -> torch.Tensor:
+        config = self.config
+        x = self.embed(input_ids)
+        streams = x.unsqueeze(1).expand(-1, config.hc_mult, -1).contiguous()
+        num_layers = config.num_hidden_layers
+        state_of = {layer: num_layers + j for j, layer in enumerate(self.compressed)}
+        for i, layer in enumerate(self.layers):
+            attn = meta[self.layer_group[i]]
+            assert isinstance(attn, AttentionMetadata)
+            cache_layer = state_of.get(i)
+            state, smeta = ((caches[cache_layer], meta[self.layer_group[cache_layer]]) if cache_layer is not None
+                            else ((), None))
+            rope = self.ropes["main" if config.layer_types[i] == "sliding_attention" else "compress"]
+            streams = layer(streams, input_ids, positions, rope, caches[i], attn, state, smeta)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), config.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
+                            + self.hc_head_base.float()) + config.hc_eps
+        return self.norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def init_dummy_buffers(self, generator: torch.Generator) -> None:
+        """Random weights need a valid hash table too: each token to top_k distinct experts."""
+        for layer in self.layers:
+            gate = layer.ffn.gate
+            if gate.hashed:
+                e = self.config.n_routed_experts
+                rand = torch.rand(gate.tid2eid.shape[0], e, generator=generator, device=gate.tid2eid.device)
+                gate.tid2eid.copy_(rand.argsort(dim=-1)[:, : gate.top_k])
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); multi-token
+        prediction layers (`mtp.*`) are skipped. Returns the parameters loaded; raises on unknown names and
+        on a hash layer without its tid2eid table."""
+        from ladle.models.decoder import checkpoint_views
+
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        views = checkpoint_views(self)
+        loaded: set[str] = set()
+        parts: dict[str, set[str]] = {}
+        for raw, tensor in weights:
+            name = raw.removeprefix("model.")
+            if name.startswith("mtp.") or ".mtp." in name:
+                continue
+            name = _RENAMES.get(name, name)
+            if name == "head.weight" and self.head is None:
+                continue
+            target, view = views.get(name, (name, None))
+            dest = params.get(target, buffers.get(target))
+            if dest is None:
+                raise ValueError(f"checkpoint tensor {raw!r} matches no parameter of DeepseekV4ForCausalLM")
+            dest = dest if view is None else view(dest)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            if view is None:
+                loaded.add(name)
+            else:
+                parts.setdefault(target, set()).add(name)
+        expected: dict[str, set[str]] = {}
+        for name, (target, _) in views.items():
+            expected.setdefault(target, set()).add(name)
+        loaded |= {t for t, names in expected.items() if parts.get(t) == names}
+        missing = sorted(b for b in buffers if b.endswith("tid2eid") and b not in loaded)
+        if missing:
+            raise ValueError(f"the checkpoint has no hash-routing table for: {', '.join(missing)}")
+        return loaded
+
+
+def _check_config(config: Any) -> None:
+    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    if config.num_key_value_heads != 1:
+        raise ValueError(f"num_key_value_heads is {config.num_key_value_heads}; DeepSeek-V4 attention shares one "
+                         "KV head")
+    if (config.num_attention_heads * config.head_dim) % config.o_groups:
+        raise ValueError(f"o_groups {config.o_groups} does not divide num_attention_heads x head_dim")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")

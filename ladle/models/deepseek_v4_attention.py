@@ -1,0 +1,159 @@
+"""DeepSeek-V4 attention: shared-KV MQA (one head whose vectors are both key and value) over a sliding window
+of the paged cache, plus, in compressed layers, compressed entries: every complete one (HCA) or those the
+Lightning Indexer picks (CSA). q comes through a LoRA (wq_a, q_norm, wq_b) and a per-head unweighted RMSNorm;
+rope is interleaved and partial (the trailing rope dims), with the "main" table in sliding layers and the
+"compress" table in compressed ones. Each head has a learned sink logit, the output's rope slice is rotated
+back by the query's position, and the heads leave through a grouped low-rank projection (wo_a, wo_b).
+
+This is the reference path: it loops over the step's requests, gathering each one's window from the pool.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.models.deepseek_v4_compressor import Compressor, Dsv4RMSNorm, Indexer, interleaved_rope, unweighted_rms_norm
+from ladle.models.layers import RotaryEmbedding
+
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+class Dsv4Rope(RotaryEmbedding):
+    """One of the config's two rope tables ("main" or "compress"): half-size cos/sin, one per channel pair."""
+
+    def __init__(self, config: Any, kind: str) -> None:
+        nn.Module.__init__(self)
+        self.config, self.kind = config, kind
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.attention_scaling = 1.0
+        self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        device = self.inv_freq.device
+        if device.type == "meta":
+            return
+        params = self.config.rope_parameters[self.kind]
+        if params.get("rope_type", "default") == "default":
+            dim = self.rotary_dim
+            steps = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+            inv_freq, scaling = 1.0 / (float(params["rope_theta"]) ** (steps / dim)), 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](self.config, device, layer_type=self.kind)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+
+class Dsv4Attention(nn.Module):
+    def __init__(self, config: Any, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window = config.sliding_window
+        self.o_groups = config.o_groups
+        eps = config.rms_norm_eps
+        self.eps = eps
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = Dsv4RMSNorm(config.q_lora_rank, eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.norm = Dsv4RMSNorm(self.head_dim, eps)
+        group_in = self.num_heads * self.head_dim // config.o_groups
+        self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if layer_type != "sliding_attention":
+            rate = config.compress_rates[layer_type]
+            csa = layer_type == "compressed_sparse_attention"
+            self.compressor = Compressor(config, rate, self.head_dim, overlap=csa)
+            self.indexer = Indexer(config, rate) if csa else None
+
+    def state_shapes(self, max_model_len: int) -> list[tuple[int, ...]]:
+        """The slot tensors of this layer's compressor(s); none for a sliding layer."""
+        shapes = self.compressor.state_shapes(max_model_len) if self.compressor else []
+        return shapes + (self.indexer.compressor.state_shapes(max_model_len) if self.indexer else [])
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
+                attn: AttentionMetadata, state: tuple[torch.Tensor, ...], smeta: StateMetadata | None) -> torch.Tensor:
+        t = x.shape[0]
+        cos, sin = rope(positions, x.dtype)
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
+        q = interleaved_rope(q, cos, sin)
+        kv = interleaved_rope(self.norm(self.wkv(x)), cos, sin)  # [t, D]: key and value alike
+        pool = kv_cache[0].view(-1, self.head_dim)
+        pool[attn.slot_mapping] = kv
+        entries: list[torch.Tensor] = []
+        picks: list[list[torch.Tensor] | None] = []
+        if self.compressor is not None:
+            assert smeta is not None
+            positions_host = positions.tolist()
+            n_main = len(self.compressor.state_shapes(1))
+            counts = self.compressor(x, state[:n_main], smeta, positions_host, rope)
+            idx_counts = (self.indexer.compressor(x, state[n_main:], smeta, positions_host, rope)
+                          if self.indexer else counts)
+            cu = smeta.cu_seqlens_host
+            for i, slot in enumerate(smeta.slots_host):
+                entries.append(state[n_main - 1][slot, : counts[i]])
+                if self.indexer is None:
+                    picks.append(None)
+                    continue
+                rows = slice(cu[i], cu[i + 1])
+                keys = state[-1][slot, : idx_counts[i]]
+                picks.append(self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], keys,
+                                                 positions[rows]))
+        out = self._attend(q, pool, positions, attn, entries, picks)
+        out = interleaved_rope(out, cos, -sin)  # values carried rope: rotate it back at the query's position
+        grouped = out.reshape(t, self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
+
+    def _attend(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                entries: list[torch.Tensor], picks: list[list[torch.Tensor] | None]) -> torch.Tensor:
+        """Per request: the window keys (p - W, p] from the pool, then its compressed entries, masked per query;
+        softmax with each head's sink as one more logit that takes mass but adds nothing."""
+        out = torch.empty_like(q)
+        bs, scale = attn.block_size, self.head_dim**-0.5
+        cu = [0]
+        for n in attn.query_lens:
+            cu.append(cu[-1] + n)
+        for i, end in enumerate(attn.context_lens_host):
+            rows = slice(cu[i], cu[i + 1])
+            pos = positions[rows]
+            first = max(0, end - attn.query_lens[i] - self.window + 1)
+            key_pos = torch.arange(first, end, device=q.device)
+            table = attn.block_tables[i].long()
+            keys = pool[table[key_pos // bs] * bs + key_pos % bs]
+            mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
+            if entries:
+                comp = entries[i]
+                slots = torch.arange(comp.shape[0], device=q.device)
+                if picks[i] is None:  # HCA: every entry whose group is complete at the query
+                    seen = slots[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+                else:
+                    seen = torch.zeros(pos.shape[0], comp.shape[0], dtype=torch.bool, device=q.device)
+                    for r, chosen in enumerate(picks[i]):
+                        seen[r, chosen] = True
+                keys = torch.cat((keys, comp))
+                mask = torch.cat((mask, seen), dim=1)
+            logits = torch.einsum("thd,sd->hts", q[rows], keys) * scale
+            logits = logits.masked_fill(~mask[None], float("-inf"))
+            sinks = self.attn_sink.to(logits.dtype)[:, None, None].expand(-1, logits.shape[1], 1)
+            combined = torch.cat((logits, sinks), dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+            out[rows] = torch.einsum("hts,sd->thd", probs, keys)
+        return out

@@ -1,0 +1,148 @@
+"""DeepSeek-V4's KV compressors: every `rate` tokens become one compressed KV entry, a softmax-gated sum of
+their projections. Heavily-compressed layers (HCA, rate 128) gate one window at a time; compressed-sparse
+layers (CSA, rate 4) and their Lightning Indexer overlap two windows (the previous window's "a" half and this
+window's "b" half of a 2x-wide projection).
+
+The state a request carries from one chunk to the next, per compressor, lives in its state slot:
+- the projected kv and gate of the tokens of the group not complete yet (position % rate of them),
+- with overlap, the projections of the last complete window (its "a" half feeds the next entry),
+- the entries emitted so far, at index position // rate (paged by compressed position is future work).
+So any split of a prompt into chunks emits the same entries as one pass (HF's DeepseekV4HCACache/CSACache
+carry the same quantities between generate calls).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ladle.attention.metadata import StateMetadata
+
+
+class Dsv4RMSNorm(nn.Module):
+    """RMSNorm whose weight multiplies in fp32 before the cast back (DeepSeek-V4 keeps norm weights fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x [T, ..., D] by consecutive pairs (DeepSeek-V4's
+    interleaved rope); cos/sin [T, pairs] are broadcast over the middle dims. Computed in fp32, like HF."""
+    cos = cos.repeat_interleave(2, dim=-1)
+    sin = sin.repeat_interleave(2, dim=-1)
+    for _ in range(x.dim() - 2):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    nope, rope = x[..., :-rot], x[..., -rot:]
+    half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat((nope, (rope.float() * cos + half.float() * sin).to(x.dtype)), dim=-1)
+
+
+class Compressor(nn.Module):
+    """One compressor: `wkv`, `wgate` and `ape` (the per-slot gate bias) as the checkpoint names them."""
+
+    def __init__(self, config: Any, rate: int, dim: int, overlap: bool) -> None:
+        super().__init__()
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(config.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width))
+        self.norm = Dsv4RMSNorm(dim, config.rms_norm_eps)
+
+    def state_shapes(self, max_model_len: int) -> list[tuple[int, ...]]:
+        """Its slot tensors: pending kv, pending gate, [last window kv, last window gate,] entries."""
+        width = 2 * self.dim if self.overlap else self.dim
+        pending = [(self.rate, width)] * (4 if self.overlap else 2)
+        return pending + [(max(1, max_model_len // self.rate), self.dim)]
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata,
+                positions_host: list[int], rope: Any) -> list[int]:
+        """Project the step's rows x [T, hidden], emit every entry whose group completes, and write pending
+        projections back. Returns each request's entry count after the step."""
+        kv_all, gate_all = self.wkv(x), self.wgate(x)
+        pend_kv, pend_gate, entries = state[0], state[1], state[-1]
+        counts = []
+        cu = meta.cu_seqlens_host
+        for i, slot in enumerate(meta.slots_host):
+            start = positions_host[cu[i]]
+            held = start % self.rate if meta.has_initial_state[i] else 0
+            kv = torch.cat((pend_kv[slot, :held], kv_all[cu[i] : cu[i + 1]]))
+            gate = torch.cat((pend_gate[slot, :held], gate_all[cu[i] : cu[i + 1]]))
+            first = (start - held) // self.rate  # the first window this step may complete
+            windows = kv.shape[0] // self.rate
+            if windows:
+                used = windows * self.rate
+                wkv = kv[:used].view(windows, self.rate, -1)
+                wgate = gate[:used].view(windows, self.rate, -1)
+                entries[slot, first : first + windows] = self._emit(wkv, wgate, first, state, slot, rope)
+                if self.overlap:
+                    state[2][slot], state[3][slot] = wkv[-1], wgate[-1]
+            rest = kv.shape[0] - windows * self.rate
+            pend_kv[slot, :rest], pend_gate[slot, :rest] = kv[kv.shape[0] - rest :], gate[gate.shape[0] - rest :]
+            counts.append((start + cu[i + 1] - cu[i]) // self.rate)
+        return counts
+
+    def _emit(self, kv: torch.Tensor, gate: torch.Tensor, first: int, state: tuple[torch.Tensor, ...], slot: int,
+              rope: Any) -> torch.Tensor:
+        """Entries of complete windows kv/gate [n, rate, width], the first of them window `first`."""
+        gate = gate + self.ape
+        n, rate, d = kv.shape[0], self.rate, self.dim
+        if self.overlap:
+            # Entry w gates window w-1's "a" half together with window w's "b" half over 2 * rate slots.
+            both_kv = kv.new_zeros((n, 2 * rate, d))
+            both_gate = gate.new_full((n, 2 * rate, d), float("-inf"))
+            both_kv[:, rate:], both_gate[:, rate:] = kv[..., d:], gate[..., d:]
+            both_kv[1:, :rate], both_gate[1:, :rate] = kv[:-1, :, :d], gate[:-1, :, :d]
+            if first > 0:  # window first-1 completed in an earlier step: its projections are in the state
+                both_kv[0, :rate] = state[2][slot][:, :d]
+                both_gate[0, :rate] = (state[3][slot] + self.ape)[:, :d].to(both_gate.dtype)
+            kv, gate = both_kv, both_gate
+        out = self.norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
+        positions = (torch.arange(n, device=kv.device) + first) * rate
+        cos, sin = rope(positions, out.dtype)
+        return interleaved_rope(out, cos, sin)
+
+
+class Indexer(nn.Module):
+    """The Lightning Indexer of a CSA layer: its own overlapping compressor at index_head_dim, and a score
+    `sum_h w_{t,h} relu(q_{t,h} . k_s)` that keeps each query's top index_topk complete entries."""
+
+    def __init__(self, config: Any, rate: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.top_k = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.rate = rate
+        self.compressor = Compressor(config, rate, self.head_dim, overlap=True)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """One request's rows -> per query, the entries it attends (complete ones only, best scores first).
+
+        Ties are broken towards the earlier entry, so the choice depends on the scores alone, never on how
+        many entries the step's padding carries (HF's topk picks among ties arbitrarily)."""
+        t = x.shape[0]
+        q = interleaved_rope(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), cos, sin)
+        scores = torch.einsum("thd,sd->ths", q.float(), keys.float())
+        scores = torch.relu(scores) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        scores = (scores * weights[..., None]).sum(dim=1)  # [t, entries]
+        complete = (positions + 1) // self.rate  # query p sees entries whose group ended at or before p
+        future = torch.arange(keys.shape[0], device=x.device)[None, :] >= complete[:, None]
+        order = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        kept = order[:, : self.top_k]
+        return [row[row < c] for row, c in zip(kept, complete.tolist())]

@@ -1,0 +1,127 @@
+"""DeepSeek-V4 (sliding-window, compressed-sparse and heavily-compressed attention, hash and scored MoE,
+hyper-connections) against HF transformers, token for token in fp32 on CPU: every step budget and chunk cap
+(the compressors' pending groups and entries carried across chunks), preemption, a second pass."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_oracle import ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.demo import build_tokenizer
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+CONFIGS = [(b, c) for b in (1, 7, 64, 4096) for c in (None, 5, 19) if c is None or c <= b]
+SW, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# Window smaller than a block (16) with top-k below the entries of a long prompt; window larger than a block
+# with top-k above them; compressed layers first, two hash layers and a YaRN compress rope.
+MIXES = {
+    "small_window": dict(layer_types=[SW, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8,
+                         index_topk=3),
+    "wide_window": dict(layer_types=[CSA, SW, HCA, CSA], mlp_layer_types=["moe"] * 4, sliding_window=40,
+                        index_topk=96, compress_rates={CSA: 4, HCA: 32}),
+    "hca_first": dict(layer_types=[HCA, CSA, SW], mlp_layer_types=["hash_moe", "hash_moe", "moe"], sliding_window=16,
+                      index_topk=5, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 1024}),
+}
+
+
+def build(path: Path, seed: int, **mix) -> torch.nn.Module:
+    """A random DeepSeek-V4 checkpoint saved by HF itself (DeepSeek's tensor names), with the ChatML demo
+    tokenizer. Eight indexer heads: an entry scores exactly 0 when every head's relu is 0, and among tied
+    scores HF's topk picks arbitrarily where ladle picks the earliest, so few heads make ties (and
+    disagreements that are no one's error) common. Weights are drawn wider than HF's init, so tokens are decisive and every part matters:
+    sinks, gate biases, hyper-connection bases and scales, and a hash table of distinct experts."""
+    import transformers
+
+    kwargs = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=4,
+                  compress_rates={CSA: 4, HCA: 16}, hc_mult=2, hc_sinkhorn_iters=5, o_groups=2, o_lora_rank=16,
+                  index_n_heads=8, index_head_dim=16, max_position_embeddings=40960, partial_rotary_factor=0.25)
+    kwargs.update(mix)
+    config = transformers.DeepseekV4Config(num_hidden_layers=len(mix["layer_types"]), **kwargs)
+    config.architectures = ["DeepseekV4ForCausalLM"]
+    torch.manual_seed(seed)
+    hf = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.5 if p.dim() == 1 else 0.15)
+        for name, b in hf.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.rand(b.shape[0], config.n_routed_experts).argsort(-1)[:, : b.shape[1]])
+            elif name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    hf.save_pretrained(path)
+    build_tokenizer(path, vocab_size=512)
+    return hf
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == n:
+            return tokens
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+
+
+def prompts_of(lens: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in lens]
+
+
+@pytest.fixture(scope="module", params=list(MIXES))
+def case(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"dsv4_{request.param}")
+    hf = build(path, 7, **MIXES[request.param])
+    lens = [1, 5, 19, 64, 150, 300] if request.param == "small_window" else [1, 23, 130, 260]
+    prompts = prompts_of(lens, 3)
+    return str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("budget,chunk", CONFIGS)
+def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
+    path, _, prompts, want = case
+    kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
+    llm = LLM(path, num_kv_blocks=256, **kwargs)
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    assert llm.stats.max_step_tokens <= budget
+    assert ladle_tokens(llm, prompts, GREEDY) == want  # a second identical pass: no state left behind
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == 256 and not kv.state_slots
+
+
+def test_greedy_equals_hf_under_preemption(case):
+    path, hf, _, _ = case
+    prompts = prompts_of([40] * 6, 12)
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    # Each request holds at most 4 blocks of 16 tokens in the window group: 9 blocks hold about 2 of the 6.
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=9, max_prefill_length=19)
+    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
+    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 9
+
+
+def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_layer(case):
+    path = case[0]
+    llm = LLM(path, num_kv_blocks=64, max_model_len=1024)
+    config = llm.engine.core.config
+    report = config.report()
+    assert "sliding window" in report and "key = value" in report
+    assert "compressed_sparse_attention compressor state" in report
+    cache = config.settings["enable_prefix_caching"]
+    assert cache.value is False and cache.source == "derived" and "state snapshots" in cache.reason
+    # The window is paged and K=V: one tensor per layer, so a token costs head_dim floats in each layer.
+    spec = config.kv_layout.groups[0].spec
+    layers = len(MIXES[Path(path).name.removeprefix("dsv4_")[:-1]]["layer_types"])
+    assert spec.kv_shared and config.plan.inputs.kv_bytes_per_token == layers * spec.head_dim * 4
+    k, v = llm.engine.core.runner.kv_caches[0]
+    assert k is v
