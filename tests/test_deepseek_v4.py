@@ -24,8 +24,8 @@ MIXES = {
                          index_topk=3),
     "wide_window": dict(layer_types=[CSA, SW, HCA, CSA], mlp_layer_types=["moe"] * 4, sliding_window=40,
                         index_topk=96, compress_rates={CSA: 4, HCA: 32}),
-    "hca_first": dict(layer_types=[HCA, CSA, SW], mlp_layer_types=["hash_moe", "hash_moe", "moe"], sliding_window=16,
-                      index_topk=5, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+    "hca_first": dict(layer_types=[HCA, CSA, SW], mlp_layer_types=["hash_moe", "hash_moe", "moe"],
+                      sliding_window=16, index_topk=5, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 1024}),
 }
 
@@ -34,8 +34,9 @@ def build(path: Path, seed: int, **mix) -> torch.nn.Module:
     """A random DeepSeek-V4 checkpoint saved by HF itself (DeepSeek's tensor names), with the ChatML demo
     tokenizer. Eight indexer heads: an entry scores exactly 0 when every head's relu is 0, and among tied
     scores HF's topk picks arbitrarily where ladle picks the earliest, so few heads make ties (and
-    disagreements that are no one's error) common. Weights are drawn wider than HF's init, so tokens are decisive and every part matters:
-    sinks, gate biases, hyper-connection bases and scales, and a hash table of distinct experts."""
+    disagreements that are no one's error) common. Weights are drawn wider than HF's init, so tokens are
+    decisive and every part matters: sinks, gate biases, hyper-connection bases and scales, and a hash table
+    of distinct experts."""
     import transformers
 
     kwargs = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
@@ -125,3 +126,37 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
     assert spec.kv_shared and config.plan.inputs.kv_bytes_per_token == layers * spec.head_dim * 4
     k, v = llm.engine.core.runner.kv_caches[0]
     assert k is v
+    with pytest.raises(ValueError, match="enable_prefix_caching cannot be used with this model"):
+        LLM(path, num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=True)
+
+
+def test_ties_at_the_kth_score_go_to_the_earliest_entry():
+    from ladle.models.deepseek_v4_compressor import _top_k_earliest
+
+    scores = torch.tensor([[0.5, 0.0, 0.0, 0.0, -1.0, 0.0], [0.1, 0.2, float("-inf"), 0.3, 0.0, 0.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert [sorted(r) for r in _top_k_earliest(scores, 3).tolist()] == [[0, 1, 2], [0, 1, 3], [0, 1, 2]]
+    rng = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (64, 40), generator=rng).float()  # many ties at every rank
+    want = ties.sort(dim=-1, descending=True, stable=True).indices[:, :9]
+    assert torch.equal(_top_k_earliest(ties, 9).sort(dim=-1).values, want.sort(dim=-1).values)
+
+
+def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(tmp_path):
+    """The second seed report's prompts on a tiny DeepSeek-V4 with its real compression rates (4 and 128):
+    --max-prefill-length 8192 splits them 8192/8192/6541 and 8192 x4 + 2174, the compressors' state carried
+    across every split, and the tokens equal one pass over each whole prompt."""
+    build(tmp_path, 3, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], sliding_window=32,
+          index_topk=16, compress_rates={CSA: 4, HCA: 128}, hidden_size=32, num_attention_heads=2, q_lora_rank=32,
+          o_groups=1, max_position_embeddings=36000)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([22925], 1) + prompts_of([34942], 2)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chunked = LLM(str(tmp_path), max_prefill_length=8192)
+    assert chunked.config.settings["max_prefill_length"].source == "explicit"
+    got = [chunked.generate(p, params, use_tqdm=False)[0] for p in prompts]  # one at a time, as in the report
+    assert chunked.stats.prefill_chunks[got[0].request_id] == [8192, 8192, 6541]
+    assert chunked.stats.prefill_chunks[got[1].request_id] == [8192] * 4 + [2174]
+    single = LLM(str(tmp_path), max_num_batched_tokens=34944, max_prefill_length=34944)
+    want = [single.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    assert single.stats.prefill_chunks[want[1].request_id] == [34942]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -20,6 +20,8 @@ from ladle.models.deepseek_v4_compressor import Compressor, Dsv4RMSNorm, Indexer
 from ladle.models.layers import RotaryEmbedding
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+# Queries attended (and scored by the indexer) at a time: bounds the logits to [heads, block, window + entries].
+QUERY_BLOCK = 256
 
 
 class Dsv4Rope(RotaryEmbedding):
@@ -97,7 +99,7 @@ class Dsv4Attention(nn.Module):
         pool = kv_cache[0].view(-1, self.head_dim)
         pool[attn.slot_mapping] = kv
         entries: list[torch.Tensor] = []
-        picks: list[list[torch.Tensor] | None] = []
+        picks: list[torch.Tensor | None] = []
         if self.compressor is not None:
             assert smeta is not None
             positions_host = positions.tolist()
@@ -114,7 +116,7 @@ class Dsv4Attention(nn.Module):
                 rows = slice(cu[i], cu[i + 1])
                 keys = state[-1][slot, : idx_counts[i]]
                 picks.append(self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], keys,
-                                                 positions[rows]))
+                                                 positions[rows], QUERY_BLOCK))
         out = self._attend(q, pool, positions, attn, entries, picks)
         out = interleaved_rope(out, cos, -sin)  # values carried rope: rotate it back at the query's position
         grouped = out.reshape(t, self.o_groups, -1)
@@ -122,38 +124,45 @@ class Dsv4Attention(nn.Module):
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
 
     def _attend(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                entries: list[torch.Tensor], picks: list[list[torch.Tensor] | None]) -> torch.Tensor:
-        """Per request: the window keys (p - W, p] from the pool, then its compressed entries, masked per query;
-        softmax with each head's sink as one more logit that takes mass but adds nothing."""
+                entries: list[torch.Tensor], picks: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per request, QUERY_BLOCK queries at a time: the window keys (p - W, p] from the pool, then the
+        compressed entries each query sees; softmax with each head's sink as one more logit that takes mass
+        but adds nothing. Keys are values (shared KV)."""
         out = torch.empty_like(q)
         bs, scale = attn.block_size, self.head_dim**-0.5
-        cu = [0]
-        for n in attn.query_lens:
-            cu.append(cu[-1] + n)
-        for i, end in enumerate(attn.context_lens_host):
-            rows = slice(cu[i], cu[i + 1])
-            pos = positions[rows]
-            first = max(0, end - attn.query_lens[i] - self.window + 1)
-            key_pos = torch.arange(first, end, device=q.device)
+        sinks = self.attn_sink.float()[:, None, None]
+        row = 0
+        for i, (n, end) in enumerate(zip(attn.query_lens, attn.context_lens_host)):
             table = attn.block_tables[i].long()
-            keys = pool[table[key_pos // bs] * bs + key_pos % bs]
-            mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
-            if entries:
-                comp = entries[i]
-                slots = torch.arange(comp.shape[0], device=q.device)
-                if picks[i] is None:  # HCA: every entry whose group is complete at the query
-                    seen = slots[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
-                else:
-                    seen = torch.zeros(pos.shape[0], comp.shape[0], dtype=torch.bool, device=q.device)
-                    for r, chosen in enumerate(picks[i]):
-                        seen[r, chosen] = True
-                keys = torch.cat((keys, comp))
-                mask = torch.cat((mask, seen), dim=1)
-            logits = torch.einsum("thd,sd->hts", q[rows], keys) * scale
-            logits = logits.masked_fill(~mask[None], float("-inf"))
-            sinks = self.attn_sink.to(logits.dtype)[:, None, None].expand(-1, logits.shape[1], 1)
-            combined = torch.cat((logits, sinks), dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            probs = F.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-            out[rows] = torch.einsum("hts,sd->thd", probs, keys)
+            for b in range(0, n, QUERY_BLOCK):
+                rows = slice(row + b, row + min(n, b + QUERY_BLOCK))
+                pos = positions[rows]
+                last = end - n + rows.stop - row - 1
+                key_pos = torch.arange(max(0, last - (rows.stop - rows.start) - self.window + 2), last + 1,
+                                       device=q.device)
+                keys = pool[table[key_pos // bs] * bs + key_pos % bs]
+                near = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
+                logits = [torch.einsum("thd,sd->hts", q[rows], keys).float() * scale]
+                logits[0] = logits[0].masked_fill(~near[None], float("-inf"))
+                far: torch.Tensor | None = None
+                if entries and picks[i] is None:  # HCA: every entry whose group is complete at the query
+                    rate = self.compressor.rate
+                    far = entries[i][: (last + 1) // rate]
+                    seen = torch.arange(far.shape[0], device=q.device)[None, :] < ((pos + 1) // rate)[:, None]
+                    logits.append((torch.einsum("thd,sd->hts", q[rows], far).float() * scale)
+                                  .masked_fill(~seen[None], float("-inf")))
+                elif entries:  # CSA: the entries the indexer picked for each query
+                    chosen = picks[i][rows.start - row : rows.stop - row]
+                    far = entries[i][chosen.clamp(min=0)]  # [t, k, D]
+                    logits.append((torch.einsum("thd,tkd->htk", q[rows], far).float() * scale)
+                                  .masked_fill((chosen < 0)[None], float("-inf")))
+                combined = torch.cat((*logits, sinks.expand(-1, pos.shape[0], 1)), dim=-1)
+                probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1).to(q.dtype)
+                o = torch.einsum("hts,sd->thd", probs[..., : keys.shape[0]], keys)
+                if far is not None:
+                    far_probs = probs[..., keys.shape[0] : -1]
+                    o = o + (torch.einsum("hts,sd->thd", far_probs, far) if far.dim() == 2
+                             else torch.einsum("htk,tkd->thd", far_probs, far))
+                out[rows] = o
+            row += n
         return out

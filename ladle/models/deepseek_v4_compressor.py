@@ -130,19 +130,38 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """One request's rows -> per query, the entries it attends (complete ones only, best scores first).
+               keys: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+        """One request's rows -> [t, min(top_k, entries)] the entries each query attends, -1 where it has fewer
+        complete entries than that. Scored `block` queries at a time, so the scores stay [block, heads,
+        entries] however long the chunk.
 
         Ties are broken towards the earlier entry, so the choice depends on the scores alone, never on how
-        many entries the step's padding carries (HF's topk picks among ties arbitrarily)."""
+        many entries the step holds (HF's topk picks among ties arbitrarily)."""
         t = x.shape[0]
+        picks = torch.full((t, min(self.top_k, keys.shape[0])), -1, dtype=torch.long, device=x.device)
+        if picks.shape[1] == 0:
+            return picks
         q = interleaved_rope(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), cos, sin)
-        scores = torch.einsum("thd,sd->ths", q.float(), keys.float())
-        scores = torch.relu(scores) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        scores = (scores * weights[..., None]).sum(dim=1)  # [t, entries]
         complete = (positions + 1) // self.rate  # query p sees entries whose group ended at or before p
-        future = torch.arange(keys.shape[0], device=x.device)[None, :] >= complete[:, None]
-        order = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-        kept = order[:, : self.top_k]
-        return [row[row < c] for row, c in zip(kept, complete.tolist())]
+        for b in range(0, t, block):
+            rows = slice(b, min(t, b + block))
+            seen = int(complete[rows.stop - 1])
+            scores = torch.einsum("thd,sd->ths", q[rows].float(), keys[:seen].float())
+            scores = (torch.relu(scores) * self.head_dim**-0.5 * weights[rows, :, None]).sum(dim=1)
+            future = torch.arange(seen, device=x.device)[None, :] >= complete[rows, None]
+            kept = _top_k_earliest(scores.masked_fill(future, float("-inf")), picks.shape[1])
+            picks[rows, : kept.shape[1]] = torch.where(kept < complete[rows, None], kept, -1)
+        return picks
+
+
+def _top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of each row's k largest scores, ties at the k-th broken towards the earlier index. topk, and a
+    stable sort only for the rows whose k-th score is a finite tie that topk may have split."""
+    k = min(k, scores.shape[1])
+    values, kept = scores.topk(k, dim=-1)
+    kth = values[:, -1:]
+    split = torch.isfinite(kth[:, 0]) & ((scores == kth).sum(-1) > (values == kth).sum(-1))
+    if bool(split.any()):
+        kept[split] = scores[split].sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return kept
