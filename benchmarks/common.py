@@ -40,6 +40,16 @@ MODELS: dict[str, dict[str, Any]] = {
                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1536,
                         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                         linear_value_head_dim=64, tie_word_embeddings=False, max_position_embeddings=32768),
+    # DeepSeek-V4 at qwen3-512's width: CSA, HCA and sliding layers (rates 4 and 128, window 128), 16 experts of
+    # 384 with 4 active (the first layer hash-routed), 4 hyper-connection streams.
+    "dsv4-512": dict(arch="deepseek_v4", vocab_size=32000, hidden_size=512, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=1, head_dim=128, intermediate_size=384,
+                     q_lora_rank=256, n_routed_experts=16, num_experts_per_tok=4, o_groups=4, o_lora_rank=128,
+                     index_n_heads=8, index_head_dim=64, index_topk=64, sliding_window=128, hc_mult=4,
+                     layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                  "sliding_attention", "compressed_sparse_attention"],
+                     mlp_layer_types=["hash_moe", "moe", "moe", "moe"], tie_word_embeddings=False,
+                     max_position_embeddings=32768),
     # For debugging the scripts.
     "tiny": dict(vocab_size=12000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=32768),
@@ -56,7 +66,7 @@ def build_model(name: str) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from ladle.demo import build_checkpoint
+    from ladle.demo import build_checkpoint, fill_hash_tables
 
     out = cache_dir() / name
     if (out / "done").exists():
@@ -74,6 +84,7 @@ def build_model(name: str) -> str:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            fill_hash_tables(model)
         model.generation_config = GenerationConfig.from_pretrained(out)
         model.save_pretrained(out, safe_serialization=True)
     (out / "done").write_text("ok\n")
@@ -92,7 +103,8 @@ def model_facts(model_dir: str) -> dict[str, Any]:
     keys = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_local_experts",
             "num_experts_per_tok", "max_position_embeddings", "layer_types", "linear_num_key_heads",
-            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "n_routed_experts",
+            "compress_rates", "sliding_window", "index_topk", "hc_mult", "q_lora_rank")
     return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
 

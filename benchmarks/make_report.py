@@ -65,6 +65,16 @@ def _model_line(r: dict[str, Any]) -> tuple[str, str]:
         return "Qwen3-MoE", (f"Qwen3-MoE, {size}, {cfg['num_local_experts']} experts of "
                              f"{cfg['moe_intermediate_size']}, top {cfg['num_experts_per_tok']} per token")
     kinds = cfg.get("layer_types") or []
+    if cfg.get("compress_rates"):
+        rates = cfg["compress_rates"]
+        return "DeepSeek-V4", (
+            f"DeepSeek-V4, {size} ({kinds.count('compressed_sparse_attention')} CSA at rate "
+            f"{rates['compressed_sparse_attention']} with top-{cfg['index_topk']}, "
+            f"{kinds.count('heavily_compressed_attention')} HCA at rate {rates['heavily_compressed_attention']}, "
+            f"{kinds.count('sliding_attention')} sliding-window only; window {cfg['sliding_window']}), "
+            f"{cfg['num_attention_heads']} heads x {cfg['head_dim']} over one shared K=V head, "
+            f"{cfg['n_routed_experts']} experts of {cfg['moe_intermediate_size']}, top {cfg['num_experts_per_tok']}, "
+            f"{cfg['hc_mult']} hyper-connection streams")
     return "Qwen3.5 (Gated DeltaNet hybrid)", (
         f"Qwen3.5, {size} ({kinds.count('linear_attention')} Gated DeltaNet, {kinds.count('full_attention')} "
         f"gated full attention), {cfg['linear_num_value_heads']} value heads x {cfg['linear_value_head_dim']} "
@@ -206,7 +216,7 @@ def serve(r: dict[str, Any]) -> list[str]:
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("offline_throughput", offline), ("offline_throughput_moe", offline_variant),
-    ("offline_throughput_qwen3_5", offline_variant), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
+    ("offline_throughput_qwen3_5", offline_variant), ("offline_throughput_dsv4", offline_variant), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
     ("vllm_side_by_side", vllm_peer)]
 

@@ -140,12 +140,13 @@ def build_checkpoint(
     """
     import torch
     from transformers import (
-        AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-        Qwen3Config, Qwen3MoeConfig,
+        AutoModelForCausalLM, DeepseekV4Config, GenerationConfig, LlamaConfig, MistralConfig, Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
     )
 
     config_classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
-                      "mistral": MistralConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
+                      "mistral": MistralConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
+                      "deepseek_v4": DeepseekV4Config}
     if arch not in config_classes:
         raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
     out = Path(out_dir)
@@ -174,6 +175,7 @@ def build_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fill_hash_tables(model)
     # Like Qwen's instruct checkpoints: generation stops at either end marker.
     model.generation_config = GenerationConfig(
         bos_token_id=endoftext_id,
@@ -182,6 +184,18 @@ def build_checkpoint(
     )
     model.save_pretrained(out, safe_serialization=True)
     return str(out)
+
+
+def fill_hash_tables(model: Any) -> None:
+    """HF zero-fills DeepSeek-V4's hash-routing tables (tid2eid); a real one sends each token to distinct
+    experts, so a random checkpoint gets a random table of distinct experts (from torch's global RNG)."""
+    import torch
+
+    with torch.no_grad():
+        for name, table in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                table.copy_(torch.rand(table.shape[0], experts).argsort(dim=-1)[:, : table.shape[1]])
 
 
 _DEMO_MODEL: Mapping[str, Any] = MappingProxyType(

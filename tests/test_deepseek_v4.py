@@ -80,18 +80,30 @@ def prompts_of(lens: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(512) for _ in range(n)] for n in lens]
 
 
-@pytest.fixture(scope="module", params=list(MIXES))
-def case(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"dsv4_{request.param}")
-    hf = build(path, 7, **MIXES[request.param])
-    lens = [1, 5, 19, 64, 150, 300] if request.param == "small_window" else [1, 23, 130, 260]
-    prompts = prompts_of(lens, 3)
-    return str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """mix -> (checkpoint dir, HF model, prompts, HF's greedy tokens), each mix built once, when first asked."""
+    built: dict[str, tuple] = {}
+
+    def get(mix: str) -> tuple:
+        if mix not in built:
+            path = tmp_path_factory.mktemp(f"dsv4_{mix}")
+            hf = build(path, 7, **MIXES[mix])
+            prompts = prompts_of([1, 5, 19, 64, 150, 300] if mix == "small_window" else [1, 23, 130, 260], 3)
+            built[mix] = str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        return built[mix]
+
+    return get
 
 
-@pytest.mark.parametrize("budget,chunk", CONFIGS)
-def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
-    path, _, prompts, want = case
+# Every budget and cap on the first mix; on the others, the extremes and a chunk cap below the budget.
+RUNS = [("small_window", b, c) for b, c in CONFIGS] + [
+    (mix, b, c) for mix in ("wide_window", "hca_first") for b, c in ((1, None), (7, 5), (64, 19), (4096, None))]
+
+
+@pytest.mark.parametrize("mix,budget,chunk", RUNS)
+def test_greedy_equals_hf_for_every_budget_and_chunk(cases, mix, budget, chunk):
+    path, _, prompts, want = cases(mix)
     kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
     llm = LLM(path, num_kv_blocks=256, **kwargs)
     assert ladle_tokens(llm, prompts, GREEDY) == want
@@ -101,19 +113,21 @@ def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
     assert kv.num_free_blocks == 256 and not kv.state_slots
 
 
-def test_greedy_equals_hf_under_preemption(case):
-    path, hf, _, _ = case
-    prompts = prompts_of([40] * 6, 12)
-    want = [hf_greedy(hf, p, 24) for p in prompts]
-    # Each request holds at most 4 blocks of 16 tokens in the window group: 9 blocks hold about 2 of the 6.
-    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=9, max_prefill_length=19)
-    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
-    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 9
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_greedy_equals_hf_under_preemption(cases, mix):
+    path, hf, _, _ = cases(mix)
+    prompts = prompts_of([30] * 6, 12)
+    want = [hf_greedy(hf, p, 60) for p in prompts]
+    # Admission reserves a window's growth, not the compressed groups': their entries (one per 4 or 16-32
+    # tokens) outgrow a block while decoding, and 10 blocks cannot hold all the requests admitted.
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=10, max_prefill_length=19)
+    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) == want
+    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 10
 
 
-def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_layer(case):
-    path = case[0]
-    llm = LLM(path, num_kv_blocks=64, max_model_len=1024)
+def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_layer(cases):
+    path = cases("small_window")[0]
+    llm = LLM(path, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=64)
     config = llm.engine.core.config
     report = config.report()
     assert "sliding window" in report and "key = value" in report
@@ -122,10 +136,27 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
     assert cache.value is False and cache.source == "derived" and "state snapshots" in cache.reason
     # The window is paged and K=V: one tensor per layer, so a token costs head_dim floats in each layer.
     spec = config.kv_layout.groups[0].spec
-    layers = len(MIXES[Path(path).name.removeprefix("dsv4_")[:-1]]["layer_types"])
+    layers = len(MIXES["small_window"]["layer_types"])
     assert spec.kv_shared and config.plan.inputs.kv_bytes_per_token == layers * spec.head_dim * 4
     k, v = llm.engine.core.runner.kv_caches[0]
     assert k is v
+    # Entries are paged by entry position, one group per kind: CSA's (1 per 4 tokens), HCA's (1 per 16) and the
+    # indexer's keys (half as wide: 32 to a block); the state slots hold only groups not complete yet, so a
+    # longer context does not grow them.
+    lines = config.kv_layout.lines()
+    assert "compressed entries (1 per 4 tokens, 1x16 a block)" in lines[1]
+    assert "compressed entries (1 per 16 tokens, 1x16 a block)" in lines[2]
+    assert "compressed entries (1 per 4 tokens, 2x16 a block), 1 kv heads x 16" in lines[3]
+    longer = LLM(path, num_kv_blocks=64, max_model_len=4096).engine.core.config.kv_layout
+    assert longer.state_bytes_per_request == config.kv_layout.state_bytes_per_request
+    core = llm.engine.core
+    held: list[list[int]] = []
+    core.before_execute = lambda sched: held.extend(
+        [sum(b >= 0 for b in t) for t in core.kv.block_ids(s.request.request_id)] for s in sched.scheduled)
+    ladle_tokens(llm, prompts_of([300], 4), SamplingParams(temperature=0, max_tokens=1))
+    # 300 tokens: 75 CSA entries in 5 blocks, 18 HCA entries in 2, 75 keys in 3; the window (8 tokens) only
+    # the blocks of a 64-token chunk and the 7 tokens before it.
+    assert held[-1][1:] == [5, 2, 3] and max(h[0] for h in held) <= -(-(7 + 64) // 16) + 1
     with pytest.raises(ValueError, match="enable_prefix_caching cannot be used with this model"):
         LLM(path, num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=True)
 

@@ -62,7 +62,7 @@ class EngineCore:
         # A model with state layers keeps one state slot per running request (the plan reserved them).
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                                 windows=layout.windows, num_state_slots=slots)
+                                 windows=layout.windows, num_state_slots=slots, compressions=layout.compressions)
         self.scheduler = Scheduler(cfg, self.kv)
         caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device, slots)
         # Room for every running request, and as many again for preempted ones coming back; one per group.
@@ -70,7 +70,7 @@ class EngineCore:
                   for _ in layout.groups]
         backends = tuple(select_backend(cfg.device, g.spec) for g in layout.groups)
         self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
-                                  tuple(g.layers for g in layout.state_groups))
+                                  tuple(g.layers for g in layout.state_groups), layout.compressions)
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:

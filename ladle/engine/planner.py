@@ -32,6 +32,7 @@ class PlanInputs:
     graph_bytes: int = 0  # the CUDA graphs' private memory pool, held apart from eager steps' activations
     windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window (None: full attention)
     state_bytes: int = 0  # state layers' slots, one per running request (max_num_seqs x bytes per request)
+    compressions: tuple[tuple[int, int], ...] = ()  # each group's (tokens per entry, block scale); () all (1, 1)
 
     @property
     def reserved(self) -> int:
@@ -51,7 +52,9 @@ class PlanInputs:
 
     def request_blocks(self, max_model_len: int, tokens: int) -> int:
         """Blocks one max_model_len request holds at most, over all groups, prefilled `tokens` at a time."""
-        return sum(blocks_held(w, max_model_len, self.block_size, tokens) for w in self.windows)
+        compressions = self.compressions or ((1, 1),) * len(self.windows)
+        return sum(blocks_held(w, max_model_len, self.block_size, tokens, c)
+                   for w, c in zip(self.windows, compressions))
 
     def room(self) -> int:
         """Bytes left for KV pool and activations."""

@@ -137,7 +137,8 @@ def _measure(
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
     runner = ModelRunner(model, caches, block_size, device, windows=layout.windows,
                          backends=tuple(select_backend(device, g.spec) for g in layout.groups),
-                         state_groups=tuple(g.layers for g in layout.state_groups))
+                         state_groups=tuple(g.layers for g in layout.state_groups),
+                         compressions=layout.compressions)
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:

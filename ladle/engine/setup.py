@@ -118,7 +118,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
-                        args.max_num_seqs * layout.state_bytes_per_request)
+                        args.max_num_seqs * layout.state_bytes_per_request, layout.compressions)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:

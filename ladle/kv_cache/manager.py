@@ -30,13 +30,18 @@ GroupBlocks = tuple[list[int], ...]  # one list per group
 
 
 class _GroupTables:
-    def __init__(self, window: int | None) -> None:
+    def __init__(self, window: int | None, compression: tuple[int, int] = (1, 1)) -> None:
         self.window = window
+        self.compression = compression
         self.tables: dict[str, list[int]] = {}
         # Per request: how many leading blocks are registered (or found registered), and the cache id of the
         # last of them, which is the parent of the next one.
         self.num_cached_block: dict[str, int] = {}
         self.last_cache_id: dict[str, int] = {}
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks that hold num_tokens tokens (or, compressed, the entries of their complete groups)."""
+        return blocks_held(None, num_tokens, block_size, num_tokens, self.compression)
 
     def first_needed(self, num_computed: int, block_size: int) -> int:
         """Index of the first block the next queries (from position num_computed) can read."""
@@ -47,15 +52,20 @@ class _GroupTables:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
+                 compressions: Sequence[tuple[int, int]] | None = None) -> None:
         """num_state_slots: for a model with state layers, the slots its state tensors hold (one per running
-        request); a request takes one at admission and gives it back when freed."""
+        request); a request takes one at admission and gives it back when freed. compressions: each group's
+        (tokens per entry, block scale), (1, 1) for all when not given (KVCacheLayout.compressions)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.groups = [_GroupTables(w) for w in windows]
+        self.groups = [_GroupTables(w, c) for w, c in zip(windows, compressions or [(1, 1)] * len(windows))]
         self.tables = tuple(g.tables for g in self.groups)
         self.has_sliding_window = any(w is not None for w in windows)
+        if enable_caching and any(g.compression != (1, 1) for g in self.groups):
+            raise ValueError("prefix caching cannot serve compressed KV groups (their blocks hold entries, not "
+                             "tokens)")
         self.state_slots: dict[str, int] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._uses_state = num_state_slots > 0
@@ -78,7 +88,7 @@ class KVCacheManager:
 
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
         """Blocks a request of num_tokens tokens holds at most, prefilled `chunk` tokens at a time."""
-        return sum(blocks_held(g.window, num_tokens, self.block_size, chunk) for g in self.groups)
+        return sum(blocks_held(g.window, num_tokens, self.block_size, chunk, g.compression) for g in self.groups)
 
     def held_blocks(self, request_id: str) -> int:
         return sum(sum(b != NULL_BLOCK for b in g.tables.get(request_id, ())) for g in self.groups)
@@ -127,7 +137,7 @@ class KVCacheManager:
             table = g.tables.get(request_id, [])
             hit = computed_blocks[gi] if computed_blocks else []
             first = g.first_needed(num_computed, self.block_size)
-            new = max(0, self.blocks_for(ends[gi]) - max(len(table) + len(hit), first))
+            new = max(0, g.blocks_for(ends[gi], self.block_size) - max(len(table) + len(hit), first))
             back = sum(1 for b in table[:first] if b != NULL_BLOCK and self.pool.ref_counts[b] == 1)
             total += new + sum(1 for b in hit if self.pool.ref_counts[b] == 0) - back
         return total
@@ -139,16 +149,15 @@ class KVCacheManager:
         first give back the blocks before their window. False (and no change) if the pool is short."""
         if not computed_blocks and not self.has_sliding_window and request_id in self.groups[0].tables:
             # A running request in full-attention groups (every decode step): usually no block is due.
-            blocks = -(-num_tokens // self.block_size)
-            need = sum(max(0, blocks - len(g.tables[request_id])) for g in self.groups)
-            if need == 0:
+            due = [max(0, g.blocks_for(num_tokens, self.block_size) - len(g.tables[request_id]))
+                   for g in self.groups]
+            if sum(due) == 0:
                 return True
-            if need > self.pool.num_free:
+            if sum(due) > self.pool.num_free:
                 return False
-            for g in self.groups:
-                table = g.tables[request_id]
-                if blocks > len(table):
-                    table.extend(self.pool.allocate(blocks - len(table)))
+            for g, n in zip(self.groups, due):
+                if n:
+                    g.tables[request_id].extend(self.pool.allocate(n))
             return True
         return self._grow(request_id, [num_tokens] * len(self.groups), computed_blocks, num_computed, 0)
 
@@ -188,7 +197,7 @@ class KVCacheManager:
                     table[i] = NULL_BLOCK
             if len(table) < first:
                 table.extend([NULL_BLOCK] * (first - len(table)))
-            need = self.blocks_for(ends[gi]) - len(table)
+            need = g.blocks_for(ends[gi], self.block_size) - len(table)
             if need > 0:
                 table.extend(self.pool.allocate(need))
         return True

@@ -20,9 +20,14 @@ import torch
 from ladle.config import format_bytes
 
 
-def blocks_held(window: int | None, num_tokens: int, block_size: int, chunk: int) -> int:
+def blocks_held(window: int | None, num_tokens: int, block_size: int, chunk: int,
+                compression: tuple[int, int] = (1, 1)) -> int:
     """The most blocks a request of num_tokens tokens holds at once in a group, prefilled `chunk` tokens at a
-    time: all of them, or with a window only those of the chunk and of the window - 1 tokens before it."""
+    time: all of them, or with a window only those of the chunk and of the window - 1 tokens before it. A
+    compressed group (rate, scale) holds one entry per `rate` complete tokens, block_size x scale a block."""
+    rate, scale = compression
+    if rate > 1:
+        return -(-(num_tokens // rate) // (block_size * scale))
     blocks = -(-num_tokens // block_size)
     if window is None:
         return blocks
@@ -38,16 +43,27 @@ class AttentionSpec:
     dtype: torch.dtype
     sliding_window: int | None = None
     kv_shared: bool = False  # one vector per token is both key and value (DeepSeek-V4): one tensor, not two
+    # A compressed group keeps one entry per compress_rate tokens (DeepSeek-V4's compressed KV), paged by
+    # entry position; block_scale x block_size entries to a block, so narrower entries fill the same page.
+    compress_rate: int = 1
+    block_scale: int = 1
+
+    @property
+    def compression(self) -> tuple[int, int]:
+        return self.compress_rate, self.block_scale
 
     def page_bytes(self, block_size: int) -> int:
-        """One layer's K and V for one block."""
-        return (1 if self.kv_shared else 2) * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """One layer's K and V (or entries) for one block."""
+        entries = block_size * self.block_scale
+        return (1 if self.kv_shared else 2) * entries * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
-        return blocks_held(self.sliding_window, num_tokens, block_size, chunk)
+        return blocks_held(self.sliding_window, num_tokens, block_size, chunk, self.compression)
 
     def describe(self) -> str:
         kind = "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
+        if self.compress_rate > 1:
+            kind = f"compressed entries (1 per {self.compress_rate} tokens, {self.block_scale}x16 a block)"
         shared = ", key = value" if self.kv_shared else ""
         return (f"{kind}, {self.num_kv_heads} kv heads x {self.head_dim}{shared}, "
                 f"{str(self.dtype).removeprefix('torch.')}")
@@ -151,6 +167,11 @@ class KVCacheLayout:
     @property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(g.spec.sliding_window for g in self.groups)
+
+    @property
+    def compressions(self) -> tuple[tuple[int, int], ...]:
+        """Each paged group's (tokens per entry, block scale); (1, 1) for a group that keeps every token."""
+        return tuple(g.spec.compression for g in self.groups)
 
     def layer_slots(self, num_layers: int) -> list[tuple[int, int]]:
         """(paged group, tensor pair) of each paged layer; (-1, -1) for a state layer."""

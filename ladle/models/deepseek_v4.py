@@ -5,9 +5,10 @@ Parameters carry the checkpoint's own names (`layers.N.attn.wq_a`, `layers.N.ffn
 ...), which is how HF transformers saves this model too (it renames on load).
 
 Caches, per layer: the sliding window's K=V vectors in the paged pool (one tensor, kv_shared); and for a
-compressed layer a state slot holding its compressors' pending projections and emitted entries
-(ladle.models.deepseek_v4_compressor). The slots are extra cache layers after the model's own: cache layer
-num_hidden_layers + j is the j-th compressed layer's state.
+compressed layer its entries (one per compress_rate tokens) and, CSA, the indexer's keys, each a paged group
+of its own, plus a state slot with its compressors' pending projections (ladle.models.deepseek_v4_compressor).
+These are cache layers after the model's own: the entries of every compressed layer, then the indexer keys of
+every CSA layer, then the state of every compressed layer.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
-from ladle.models.deepseek_v4_attention import LAYER_TYPES, Dsv4Attention, Dsv4Rope
+from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Attention, Dsv4Rope
 from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
 from ladle.models.ops import ModelOps, TorchOps
 
@@ -159,10 +160,10 @@ class Block(nn.Module):
                                                                                streams)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, rope: Any,
-                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata, state: tuple[torch.Tensor, ...],
-                smeta: StateMetadata | None) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                compressed: CompressedCaches | None) -> torch.Tensor:
         streams = self._mixed("attn", streams, lambda h: self.attn(self.attn_norm(h), positions, rope, kv_cache,
-                                                                   attn, state, smeta))
+                                                                   attn, compressed))
         return self._mixed("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), input_ids))
 
 
@@ -185,17 +186,31 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = None if self.tie_word_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         self.ropes = nn.ModuleDict({kind: Dsv4Rope(config, kind) for kind in ("main", "compress")})
         self.compressed = [i for i, kind in enumerate(config.layer_types) if kind != "sliding_attention"]
-        self.layer_group = layer_groups(self.cache_specs(torch.float32, 1))
+        csa = [i for i in self.compressed if config.layer_types[i] == "compressed_sparse_attention"]
+        # Cache layer of each compressed layer's entries, indexer keys and state (see the module docstring).
+        n = config.num_hidden_layers
+        self.entries_layer = {layer: n + j for j, layer in enumerate(self.compressed)}
+        self.index_layer = {layer: n + len(self.compressed) + j for j, layer in enumerate(csa)}
+        self.state_layer = {layer: n + len(self.compressed) + len(csa) + j for j, layer in enumerate(self.compressed)}
+        self.layer_group = layer_groups(self.cache_specs(torch.float32))
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
-        """Layer i: its window's K=V vectors, paged; then one state slot per compressed layer, sized for
-        max_model_len (the model's own limit when not given)."""
+        """Per layer its window's K=V vectors; per compressed layer its entries (and indexer keys), paged by
+        entry position; per compressed layer a state slot for the groups not complete yet. Nothing depends on
+        max_model_len: the entries grow in blocks like any KV."""
         config = self.config
-        context = max_model_len or config.max_position_embeddings
-        window = AttentionSpec(1, config.head_dim, dtype, config.sliding_window, kv_shared=True)
+        d = config.head_dim
+        window = AttentionSpec(1, d, dtype, config.sliding_window, kv_shared=True)
         specs: list[CacheSpec] = [window] * config.num_hidden_layers
         for i in self.compressed:
-            shapes = tuple(self.layers[i].attn.state_shapes(context))
+            specs.append(AttentionSpec(1, d, dtype, None, kv_shared=True,
+                                       compress_rate=config.compress_rates[config.layer_types[i]]))
+        for i in self.index_layer:
+            specs.append(AttentionSpec(1, config.index_head_dim, dtype, None, kv_shared=True,
+                                       compress_rate=config.compress_rates[config.layer_types[i]],
+                                       block_scale=d // config.index_head_dim))
+        for i in self.compressed:
+            shapes = tuple(self.layers[i].attn.state_shapes())
             specs.append(StateSpec(shapes, (dtype,) * len(shapes), f"{config.layer_types[i]} compressor state"))
         return specs
 
@@ -204,20 +219,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         config = self.config
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, config.hc_mult, -1).contiguous()
-        num_layers = config.num_hidden_layers
-        state_of = {layer: num_layers + j for j, layer in enumerate(self.compressed)}
         for i, layer in enumerate(self.layers):
             attn = meta[self.layer_group[i]]
             assert isinstance(attn, AttentionMetadata)
-            cache_layer = state_of.get(i)
-            state, smeta = ((caches[cache_layer], meta[self.layer_group[cache_layer]]) if cache_layer is not None
-                            else ((), None))
             rope = self.ropes["main" if config.layer_types[i] == "sliding_attention" else "compress"]
-            streams = layer(streams, input_ids, positions, rope, caches[i], attn, state, smeta)
+            streams = layer(streams, input_ids, positions, rope, caches[i], attn, self._compressed(i, caches, meta))
         flat = unweighted_rms_norm(streams.flatten(1).float(), config.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
                             + self.hc_head_base.float()) + config.hc_eps
         return self.norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype))
+
+    def _compressed(self, layer: int, caches: list[tuple[torch.Tensor, ...]],
+                    meta: tuple[AttentionMetadata | StateMetadata, ...]) -> CompressedCaches | None:
+        if layer not in self.entries_layer:
+            return None
+        entries, state = self.entries_layer[layer], self.state_layer[layer]
+        keys = self.index_layer.get(layer)
+        smeta = meta[self.layer_group[state]]
+        assert isinstance(smeta, StateMetadata)
+        return CompressedCaches(caches[entries][0], meta[self.layer_group[entries]],  # type: ignore[arg-type]
+                                None if keys is None else caches[keys][0],
+                                None if keys is None else meta[self.layer_group[keys]],  # type: ignore[arg-type]
+                                caches[state], smeta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.head is None else self.head.weight
@@ -283,5 +306,8 @@ def _check_config(config: Any) -> None:
                          "KV head")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
         raise ValueError(f"o_groups {config.o_groups} does not divide num_attention_heads x head_dim")
+    if "compressed_sparse_attention" in config.layer_types and config.head_dim % config.index_head_dim:
+        raise ValueError(f"index_head_dim {config.index_head_dim} does not divide head_dim {config.head_dim}: the "
+                         "indexer's keys share the pool's page size")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")

@@ -9,6 +9,7 @@ This is the reference path: it loops over the step's requests, gathering each on
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
-from ladle.models.deepseek_v4_compressor import Compressor, Dsv4RMSNorm, Indexer, interleaved_rope, unweighted_rms_norm
+from ladle.models.deepseek_v4_compressor import (
+    Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
+)
 from ladle.models.layers import RotaryEmbedding
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -57,6 +60,25 @@ class Dsv4Rope(RotaryEmbedding):
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
 
+@dataclass(frozen=True)
+class CompressedCaches:
+    """A compressed layer's caches for one step: its entries (and, CSA, the indexer's keys) as one-tensor
+    paged layers with their groups' metadata, and its compressors' state slot."""
+
+    entries: torch.Tensor
+    entries_meta: AttentionMetadata
+    index_keys: torch.Tensor | None
+    index_meta: AttentionMetadata | None
+    state: tuple[torch.Tensor, ...]
+    state_meta: StateMetadata
+
+    @staticmethod
+    def view(pool: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+        """The pool tensor [blocks, ...] as rows of one entry, and the entries to a block."""
+        per_block = pool[0].numel() // dim
+        return pool.view(-1, dim), per_block
+
+
 class Dsv4Attention(nn.Module):
     def __init__(self, config: Any, layer_type: str) -> None:
         super().__init__()
@@ -83,13 +105,13 @@ class Dsv4Attention(nn.Module):
             self.compressor = Compressor(config, rate, self.head_dim, overlap=csa)
             self.indexer = Indexer(config, rate) if csa else None
 
-    def state_shapes(self, max_model_len: int) -> list[tuple[int, ...]]:
+    def state_shapes(self) -> list[tuple[int, ...]]:
         """The slot tensors of this layer's compressor(s); none for a sliding layer."""
-        shapes = self.compressor.state_shapes(max_model_len) if self.compressor else []
-        return shapes + (self.indexer.compressor.state_shapes(max_model_len) if self.indexer else [])
+        shapes = self.compressor.state_shapes() if self.compressor else []
+        return shapes + (self.indexer.compressor.state_shapes() if self.indexer else [])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
-                attn: AttentionMetadata, state: tuple[torch.Tensor, ...], smeta: StateMetadata | None) -> torch.Tensor:
+                attn: AttentionMetadata, compressed: "CompressedCaches | None") -> torch.Tensor:
         t = x.shape[0]
         cos, sin = rope(positions, x.dtype)
         q_residual = self.q_norm(self.wq_a(x))
@@ -101,20 +123,26 @@ class Dsv4Attention(nn.Module):
         entries: list[torch.Tensor] = []
         picks: list[torch.Tensor | None] = []
         if self.compressor is not None:
-            assert smeta is not None
+            assert compressed is not None
+            c, smeta = compressed, compressed.state_meta
             positions_host = positions.tolist()
-            n_main = len(self.compressor.state_shapes(1))
-            counts = self.compressor(x, state[:n_main], smeta, positions_host, rope)
-            idx_counts = (self.indexer.compressor(x, state[n_main:], smeta, positions_host, rope)
-                          if self.indexer else counts)
+            n_main = len(self.compressor.state_shapes())
+            entry_pool, per_block = c.view(c.entries, self.head_dim)
+            counts = self.compressor(x, c.state[:n_main], smeta, positions_host, rope, entry_pool, c.entries_meta,
+                                     per_block)
+            if self.indexer is not None:
+                assert c.index_keys is not None and c.index_meta is not None
+                keys_pool, keys_per_block = c.view(c.index_keys, self.indexer.head_dim)
+                idx_counts = self.indexer.compressor(x, c.state[n_main:], smeta, positions_host, rope, keys_pool,
+                                                     c.index_meta, keys_per_block)
             cu = smeta.cu_seqlens_host
-            for i, slot in enumerate(smeta.slots_host):
-                entries.append(state[n_main - 1][slot, : counts[i]])
+            for i in range(smeta.num_seqs):
+                entries.append(entry_pool[entry_slots(c.entries_meta.block_tables[i], 0, counts[i], per_block)])
                 if self.indexer is None:
                     picks.append(None)
                     continue
                 rows = slice(cu[i], cu[i + 1])
-                keys = state[-1][slot, : idx_counts[i]]
+                keys = keys_pool[entry_slots(c.index_meta.block_tables[i], 0, idx_counts[i], keys_per_block)]
                 picks.append(self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], keys,
                                                  positions[rows], QUERY_BLOCK))
         out = self._attend(q, pool, positions, attn, entries, picks)

@@ -3,10 +3,11 @@ their projections. Heavily-compressed layers (HCA, rate 128) gate one window at 
 layers (CSA, rate 4) and their Lightning Indexer overlap two windows (the previous window's "a" half and this
 window's "b" half of a 2x-wide projection).
 
-The state a request carries from one chunk to the next, per compressor, lives in its state slot:
-- the projected kv and gate of the tokens of the group not complete yet (position % rate of them),
-- with overlap, the projections of the last complete window (its "a" half feeds the next entry),
-- the entries emitted so far, at index position // rate (paged by compressed position is future work).
+What a request carries from one chunk to the next, per compressor:
+- in its state slot, the projected kv and gate of the tokens of the group not complete yet (position % rate
+  of them) and, with overlap, the projections of the last complete window (its "a" half feeds the next entry);
+- in the paged pool, the entries emitted so far, entry e at block e // per_block of the request's table in the
+  compressor's own KV cache group (compress_rate tokens per entry).
 So any split of a prompt into chunks emits the same entries as one pass (HF's DeepseekV4HCACache/CSACache
 carry the same quantities between generate calls).
 """
@@ -17,7 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ladle.attention.metadata import StateMetadata
+from ladle.attention.metadata import AttentionMetadata, StateMetadata
+
+
+def entry_slots(table: torch.Tensor, start: int, stop: int, per_block: int) -> torch.Tensor:
+    """Pool rows of entries [start, stop) of one request whose block table row is `table`."""
+    e = torch.arange(start, stop, device=table.device)
+    return table[e // per_block].long() * per_block + e % per_block
 
 
 class Dsv4RMSNorm(nn.Module):
@@ -63,18 +70,19 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width))
         self.norm = Dsv4RMSNorm(dim, config.rms_norm_eps)
 
-    def state_shapes(self, max_model_len: int) -> list[tuple[int, ...]]:
-        """Its slot tensors: pending kv, pending gate, [last window kv, last window gate,] entries."""
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """Its slot tensors: pending kv, pending gate[, last window kv, last window gate]."""
         width = 2 * self.dim if self.overlap else self.dim
-        pending = [(self.rate, width)] * (4 if self.overlap else 2)
-        return pending + [(max(1, max_model_len // self.rate), self.dim)]
+        return [(self.rate, width)] * (4 if self.overlap else 2)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata,
-                positions_host: list[int], rope: Any) -> list[int]:
-        """Project the step's rows x [T, hidden], emit every entry whose group completes, and write pending
-        projections back. Returns each request's entry count after the step."""
+                positions_host: list[int], rope: Any, pool: torch.Tensor, paged: AttentionMetadata,
+                per_block: int) -> list[int]:
+        """Project the step's rows x [T, hidden], emit every entry whose group completes into pool ([rows,
+        dim], per_block rows to a block of `paged`'s tables), and write pending projections back. Returns each
+        request's entry count after the step."""
         kv_all, gate_all = self.wkv(x), self.wgate(x)
-        pend_kv, pend_gate, entries = state[0], state[1], state[-1]
+        pend_kv, pend_gate = state[0], state[1]
         counts = []
         cu = meta.cu_seqlens_host
         for i, slot in enumerate(meta.slots_host):
@@ -88,7 +96,8 @@ class Compressor(nn.Module):
                 used = windows * self.rate
                 wkv = kv[:used].view(windows, self.rate, -1)
                 wgate = gate[:used].view(windows, self.rate, -1)
-                entries[slot, first : first + windows] = self._emit(wkv, wgate, first, state, slot, rope)
+                rows = entry_slots(paged.block_tables[i], first, first + windows, per_block)
+                pool[rows] = self._emit(wkv, wgate, first, state, slot, rope)
                 if self.overlap:
                     state[2][slot], state[3][slot] = wkv[-1], wgate[-1]
             rest = kv.shape[0] - windows * self.rate

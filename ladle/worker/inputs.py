@@ -13,6 +13,7 @@ import torch
 
 from ladle.attention.backends import AttentionBackend, TorchAttention
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.kv_cache.specs import blocks_held
 
 
 class ScheduledChunk:
@@ -75,10 +76,12 @@ def _no_null(blocks: list[int]) -> list[int]:
     return [max(b, 0) for b in blocks] if blocks and min(blocks) < 0 else blocks
 
 
-def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int = 0) -> list[list[int]]:
+def block_table_rows(chunks: list[ScheduledChunk], block_size: int, group: int = 0,
+                     compression: tuple[int, int] = (1, 1)) -> list[list[int]]:
     """Each request's blocks that hold its context after this step, padded with 0 to a common width (blocks
     a window gave back read as 0 too: no kernel reads them)."""
-    rows = [_no_null(c.block_ids[group][: -(-(c.start_pos + len(c.token_ids)) // block_size)]) for c in chunks]
+    rows = [_no_null(c.block_ids[group][: blocks_held(None, c.start_pos + len(c.token_ids), block_size, 0,
+                                                      compression)]) for c in chunks]
     width = max((len(r) for r in rows), default=0)
     return [r + [0] * (width - len(r)) for r in rows]
 
@@ -87,19 +90,24 @@ def build_step_inputs(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
     block_tables: tuple[torch.Tensor, ...] | None = None, windows: tuple[int | None, ...] = (None,),
     backends: tuple[AttentionBackend, ...] | None = None, num_state_groups: int = 0,
+    compressions: tuple[tuple[int, int], ...] | None = None,
 ) -> StepInputs:
     """block_tables: the step's [len(chunks), >= blocks needed] int32 host table per group, when the caller
     keeps the tables itself (ladle.worker.block_table); otherwise they are built from the chunks' block ids.
     windows: each group's sliding window (None: full attention); backends: each group's attention backend,
     chosen at startup (the torch reference when not given). num_state_groups: the model's state groups, which
-    all get the same StateMetadata (a request has one slot index in every state layer)."""
+    all get the same StateMetadata (a request has one slot index in every state layer). compressions: each
+    group's (tokens per entry, block scale) (ladle.kv_cache.specs); a compressed group's entries are written by
+    the model, so it gets no slot mapping."""
     backends = backends or tuple(TorchAttention() for _ in windows)
+    compressions = compressions or tuple((1, 1) for _ in windows)
     if not chunks or any(not c.token_ids for c in chunks):
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
     for c in chunks:
-        needed = -(-(c.start_pos + len(c.token_ids)) // block_size)
-        if len(c.block_ids) != len(windows) or any(len(b) < needed for b in c.block_ids):
-            raise ValueError(f"chunk needs {needed} blocks for {c.start_pos + len(c.token_ids)} tokens in each of "
+        end = c.start_pos + len(c.token_ids)
+        needed = [blocks_held(None, end, block_size, 0, comp) for comp in compressions]
+        if len(c.block_ids) != len(windows) or any(len(b) < n for b, n in zip(c.block_ids, needed)):
+            raise ValueError(f"chunk needs {' / '.join(map(str, needed))} blocks for {end} tokens in its "
                              f"{len(windows)} groups, has {[len(b) for b in c.block_ids]}")
     cu = cu_seqlens_for(chunks)
     context = [c.start_pos + len(c.token_ids) for c in chunks]
@@ -116,10 +124,12 @@ def build_step_inputs(
     query_lens = tuple(len(c.token_ids) for c in chunks)
     groups = []
     for g, window in enumerate(windows):
-        table = (as_tensor(block_table_rows(chunks, block_size, g), torch.int32) if block_tables is None
+        table = (as_tensor(block_table_rows(chunks, block_size, g, compressions[g]), torch.int32)
+                 if block_tables is None
                  else (block_tables[g].pin_memory() if pin else block_tables[g]).to(device, non_blocking=True))
+        slots = slot_mapping_for(chunks, block_size, g) if compressions[g] == (1, 1) else []
         groups.append(AttentionMetadata(
-            slot_mapping=as_tensor(slot_mapping_for(chunks, block_size, g), torch.int64), cu_seqlens_q=cu_t,
+            slot_mapping=as_tensor(slots, torch.int64), cu_seqlens_q=cu_t,
             context_lens=context_t, block_tables=table, query_lens=query_lens, context_lens_host=tuple(context),
             block_size=block_size, sliding_window=window, backend=backends[g],
         ))

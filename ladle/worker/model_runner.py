@@ -99,9 +99,11 @@ class ModelRunner:
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         windows: tuple[int | None, ...] = (None,), backends: tuple[AttentionBackend, ...] | None = None,
-        state_groups: tuple[tuple[int, ...], ...] = (),
+        state_groups: tuple[tuple[int, ...], ...] = (), compressions: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
-        """state_groups: the layers of each state group (models with StateSpec layers)."""
+        """state_groups: the layers of each state group (models with StateSpec layers); compressions: each
+        paged group's (tokens per entry, block scale), KVCacheLayout.compressions."""
+        self.compressions = compressions
         self.model = model
         self.num_state_groups = len(state_groups)
         self.state_layers = tuple(layer for group in state_groups for layer in group)
@@ -239,7 +241,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.run(chunks, None if block_tables is None else block_tables[0], input_ids)
         inputs = build_step_inputs(chunks, self.block_size, self.device, block_tables, self.windows, self.backends,
-                                   self.num_state_groups)
+                                   self.num_state_groups, self.compressions)
         ids = inputs.input_ids if input_ids is None else input_ids
         self.state_touched = self.num_state_groups > 0
         hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
