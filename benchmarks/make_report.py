@@ -216,7 +216,8 @@ def serve(r: dict[str, Any]) -> list[str]:
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("offline_throughput", offline), ("offline_throughput_moe", offline_variant),
-    ("offline_throughput_qwen3_5", offline_variant), ("offline_throughput_dsv4", offline_variant), ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
+    ("offline_throughput_qwen3_5", offline_variant), ("offline_throughput_dsv4", offline_variant),
+    ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
     ("vllm_side_by_side", vllm_peer)]
 

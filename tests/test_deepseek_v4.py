@@ -96,9 +96,10 @@ def cases(tmp_path_factory):
     return get
 
 
-# Every budget and cap on the first mix; on the others, the extremes and a chunk cap below the budget.
+# Every budget and cap on the first mix; on the others (a token a step costs most on 2 cores), a small budget
+# with a smaller cap, a cap below the budget, and one pass.
 RUNS = [("small_window", b, c) for b, c in CONFIGS] + [
-    (mix, b, c) for mix in ("wide_window", "hca_first") for b, c in ((1, None), (7, 5), (64, 19), (4096, None))]
+    (mix, b, c) for mix in ("wide_window", "hca_first") for b, c in ((7, 5), (64, 19), (4096, None))]
 
 
 @pytest.mark.parametrize("mix,budget,chunk", RUNS)
@@ -191,3 +192,30 @@ def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(t
     want = [single.generate(p, params, use_tqdm=False)[0] for p in prompts]
     assert single.stats.prefill_chunks[want[1].request_id] == [34942]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_path):
+    """The activation profile runs the real layers at the worst context, so the indexer's scores over every
+    compressed entry are in it: a budget with room for a step of about 1,536 tokens derives such a chunk, a
+    2,536-token prompt is split and its measured peak stays inside the budget, and an explicit single pass
+    of it is refused with the largest chunk that fits."""
+    from ladle.engine.memory import measure_peak
+
+    build(tmp_path, 3, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], sliding_window=32,
+          index_topk=16, compress_rates={CSA: 4, HCA: 128}, max_position_embeddings=4096)
+    inp = LLM(str(tmp_path), max_num_batched_tokens=64).config.plan.inputs
+    budget = (inp.weights + 8 * 2**20 + inp.state_bytes + inp.request_blocks(4096, 1536) * inp.block_bytes
+              + inp.activation.predict(1536, 4096))
+    llm = LLM(str(tmp_path), memory_budget=budget)
+    step = llm.config.max_num_batched_tokens
+    assert llm.config.settings["max_num_batched_tokens"].source == "derived" and 1024 < step < 2048
+    held = {t.data_ptr(): t for cache in llm.engine.core.runner.kv_caches for t in cache}  # pool and state slots
+    kv = sum(t.numel() * t.element_size() for t in held.values())
+    outs: list = []
+    prompt = {"prompt_token_ids": prompts_of([2536], 5)[0]}
+    peak = measure_peak(lambda: outs.extend(llm.generate(prompt, GREEDY, use_tqdm=False)), torch.device("cpu"))
+    assert llm.stats.prefill_chunks[outs[0].request_id] == [step, 2536 - step]
+    assert inp.weights + kv + peak < budget
+    with pytest.raises(ValueError, match=r"max_prefill_length=2536 does not fit.*the largest max_prefill_length "
+                                         r"that fits is 1\d\d\d"):
+        LLM(str(tmp_path), memory_budget=budget, max_prefill_length=2536)
