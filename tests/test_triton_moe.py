@@ -15,6 +15,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
 from ladle.models.moe import FusedMoE, route  # noqa: E402
+from ladle.models.ops import TorchOps  # noqa: E402
 from ladle.kernels import triton_moe  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
@@ -96,3 +97,20 @@ def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path):
     for m in experts:
         m.ops = TritonOps()
     assert experts and [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+def test_the_swiglu_clamp_matches_the_torch_experts():
+    """DeepSeek-V4's experts clamp gate (above) and up (both ways) at swiglu_limit; weights large enough that
+    the clamp bites."""
+    moe = _experts(8, 32, 16, seed=3)
+    with torch.no_grad():
+        moe.w13.mul_(20)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 32, generator=g).to(DEVICE)
+    weights, ids = route(torch.randn(12, 8, generator=g).to(DEVICE), 2, True, torch.float32)
+    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    assert float(torch.einsum("th,eih->tei", x, w13).abs().max()) > 2.0  # pre-activations past the limit
+    want = TorchOps.fused_experts(x, w13, w2, weights, ids, swiglu_limit=2.0)
+    got = triton_moe.fused_experts(x, w13, w2, weights, ids, swiglu_limit=2.0)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(want, TorchOps.fused_experts(x, w13, w2, weights, ids), atol=1e-3)

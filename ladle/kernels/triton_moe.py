@@ -89,8 +89,9 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  block_m: int = 16) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights and ids [T, k] -> [T, H]."""
+                  block_m: int = 16, swiglu_limit: float | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights and ids [T, k] -> [T, H]. swiglu_limit
+    (DeepSeek-V4) clamps the gate from above and the up projection both ways before the activation."""
     tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     sorted_ids, expert_ids = moe_align_block_size(ids, block_m, num_experts)
@@ -98,6 +99,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     gate_up = torch.empty(pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
     _grouped_gemm(x.contiguous(), w13, gate_up, flat_weights, sorted_ids, expert_ids, top_k, False, block_m)
+    if swiglu_limit is not None:
+        inter = w13.shape[1] // 2
+        gate_up[:, :inter].clamp_(max=swiglu_limit)
+        gate_up[:, inter:].clamp_(min=-swiglu_limit, max=swiglu_limit)
     hidden = triton_ops.silu_and_mul(gate_up)
     down = torch.empty(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(hidden, w2, down, flat_weights, sorted_ids, expert_ids, 1, True, block_m)

@@ -127,9 +127,7 @@ class TritonOps:
                       ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
         from ladle.kernels import triton_moe
 
-        if swiglu_limit is not None:  # the Triton kernel has no clamp yet
-            return TorchOps.fused_experts(x, w13, w2, weights, ids, swiglu_limit)
-        return triton_moe.fused_experts(x, w13, w2, weights, ids)
+        return triton_moe.fused_experts(x, w13, w2, weights, ids, swiglu_limit=swiglu_limit)
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, rec_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
