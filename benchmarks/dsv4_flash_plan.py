@@ -59,7 +59,8 @@ def main() -> None:
     keep = ("max_num_batched_tokens", "max_prefill_length", "memory budget", "weights", "KV pool", "activation",
             "state slots", "margin", "headroom", "KV group", "state group")
     shown = [x for x in derived.stdout.splitlines() if x.startswith(keep)]
-    text = ["Flash-shaped `ladle plan` (the second seed report's model), fp32 on this CPU: "
+    text = ["## DeepSeek-V4-Flash-shaped memory plan", "",
+            "Flash-shaped `ladle plan` (the second seed report's model), fp32 on this CPU: "
             "`python benchmarks/dsv4_flash_plan.py`", "",
             f"Budget {budget:.0f} MiB: weights, KV pool and state slots plus 6.8 GiB, the seed box's 3.4 GiB of "
             "bf16 headroom doubled for fp32, over 0.95 (the planner keeps budget/20 as margin).", "",

@@ -110,9 +110,10 @@ def _hf_greedy(model: Any, prompt: list[int], new: int, device: torch.device) ->
 
 def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, Any]:
     """The demo-model shape (fp32, peaked random weights), a Mistral of the same shape with a 48-token sliding
-    window, and a Qwen3.5 hybrid (Gated DeltaNet: flash-linear-attention's kernel when it is importable, the
-    torch reference otherwise; `fla` in the result says which) through the CUDA engine with CUDA graphs
-    (not for the hybrid, whose state layers derive them off), a 128-token step budget (so prompts prefill in
+    window, a Qwen3.5 hybrid (Gated DeltaNet: flash-linear-attention's kernel when it is importable, the
+    torch reference otherwise; `fla` in the result says which) and a DeepSeek-V4 (its Triton attention
+    kernel and the clamped fused MoE) through the CUDA engine with CUDA graphs (not for the hybrid and
+    DeepSeek-V4, whose state layers derive them off), a 128-token step budget (so prompts prefill in
     chunks beside decodes) and the eager engine, against HF's greedy loop."""
     from ladle.models.ops import TritonOps
 
@@ -120,10 +121,18 @@ def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, 
                                                "full_attention"],
                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
                   linear_value_head_dim=32)
+    csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
+    dsv4 = dict(arch="deepseek_v4", num_key_value_heads=1, layer_types=["sliding_attention", csa, hca, csa],
+                mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=48,
+                compress_rates={csa: 4, hca: 16}, index_topk=8, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+                index_n_heads=8, index_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, hc_mult=2,
+                tie_word_embeddings=False)
     models = {"demo": demo_model_kwargs(),
               "mistral_window48": demo_model_kwargs() | dict(arch="mistral", sliding_window=48),
-              "qwen3_5_hybrid": demo_model_kwargs() | hybrid}
-    res = {name: _model_vs_hf(device, workdir / f"check-{name}", kwargs, small, graphs=name != "qwen3_5_hybrid")
+              "qwen3_5_hybrid": demo_model_kwargs() | hybrid,
+              "deepseek_v4": demo_model_kwargs() | dsv4}
+    res = {name: _model_vs_hf(device, workdir / f"check-{name}", kwargs, small,
+                              graphs=name not in ("qwen3_5_hybrid", "deepseek_v4"))
            for name, kwargs in models.items()}
     return res | {"ok": all(r["ok"] for r in res.values()), "fla": TritonOps().has_fla}
 

@@ -21,6 +21,7 @@ from ladle.models.deepseek_v4_compressor import (
     Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
 )
 from ladle.models.layers import RotaryEmbedding
+from ladle.models.ops import ModelOps, TorchOps
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 # Queries attended (and scored by the indexer) at a time: bounds the logits to [heads, block, window + entries].
@@ -97,6 +98,7 @@ class Dsv4Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
+        self.ops: ModelOps = TorchOps()  # TritonOps on CUDA: the attention runs ladle.kernels.triton_dsv4
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if layer_type != "sliding_attention":
@@ -120,7 +122,8 @@ class Dsv4Attention(nn.Module):
         kv = interleaved_rope(self.norm(self.wkv(x)), cos, sin)  # [t, D]: key and value alike
         pool = kv_cache[0].view(-1, self.head_dim)
         pool[attn.slot_mapping] = kv
-        entries: list[torch.Tensor] = []
+        entry_pool = pool
+        entry_rows: list[torch.Tensor] = []  # per request, the pool rows of its entries
         picks: list[torch.Tensor | None] = []
         if self.compressor is not None:
             assert compressed is not None
@@ -137,7 +140,7 @@ class Dsv4Attention(nn.Module):
                                                      c.index_meta, keys_per_block)
             cu = smeta.cu_seqlens_host
             for i in range(smeta.num_seqs):
-                entries.append(entry_pool[entry_slots(c.entries_meta.block_tables[i], 0, counts[i], per_block)])
+                entry_rows.append(entry_slots(c.entries_meta.block_tables[i], 0, counts[i], per_block))
                 if self.indexer is None:
                     picks.append(None)
                     continue
@@ -145,11 +148,39 @@ class Dsv4Attention(nn.Module):
                 keys = keys_pool[entry_slots(c.index_meta.block_tables[i], 0, idx_counts[i], keys_per_block)]
                 picks.append(self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], keys,
                                                  positions[rows], QUERY_BLOCK))
-        out = self._attend(q, pool, positions, attn, entries, picks)
+        if self.ops.name == "triton":
+            out = self._attend_triton(q, pool, positions, attn, entry_pool, entry_rows, picks)
+        else:
+            out = self._attend(q, pool, positions, attn, [entry_pool[r] for r in entry_rows], picks)
         out = interleaved_rope(out, cos, -sin)  # values carried rope: rotate it back at the query's position
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
+
+    def _attend_triton(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       entry_pool: torch.Tensor, entry_rows: list[torch.Tensor],
+                       picks: list[torch.Tensor | None]) -> torch.Tensor:
+        """The same attention in one Triton kernel: each token's compressed entries as pool rows (-1: none)."""
+        from ladle.kernels.triton_dsv4 import dsv4_attention
+
+        lens = torch.tensor(attn.query_lens, device=q.device)
+        row_request = torch.repeat_interleave(torch.arange(len(attn.query_lens), device=q.device), lens)
+        width = max([r.numel() for r in entry_rows] + [p.shape[1] for p in picks if p is not None], default=0)
+        extra = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+        row = 0
+        for i, rows in enumerate(entry_rows):
+            n = attn.query_lens[i]
+            chosen = picks[i]
+            if chosen is None:  # HCA: the entries complete at each query
+                assert self.compressor is not None
+                complete = (positions[row : row + n] + 1) // self.compressor.rate
+                seen = torch.arange(rows.numel(), device=q.device)[None, :] < complete[:, None]
+                extra[row : row + n, : rows.numel()] = torch.where(seen, rows[None, :], -1)
+            else:
+                extra[row : row + n, : chosen.shape[1]] = torch.where(chosen >= 0, rows[chosen.clamp(min=0)], -1)
+            row += n
+        return dsv4_attention(q.contiguous(), pool, attn.block_tables, row_request, positions, self.window,
+                              attn.block_size, entry_pool, extra, self.attn_sink.float(), self.head_dim**-0.5)
 
     def _attend(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 entries: list[torch.Tensor], picks: list[torch.Tensor | None]) -> torch.Tensor:
