@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
@@ -113,7 +112,7 @@ class Dsv4Attention(nn.Module):
         return shapes + (self.indexer.compressor.state_shapes() if self.indexer else [])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
-                attn: AttentionMetadata, compressed: "CompressedCaches | None") -> torch.Tensor:
+                attn: AttentionMetadata, compressed: CompressedCaches | None) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = rope(positions, x.dtype)
         q_residual = self.q_norm(self.wq_a(x))

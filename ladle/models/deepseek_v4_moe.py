@@ -1,0 +1,99 @@
+"""DeepSeek-V4's MoE layer: routed experts chosen by score (sqrtsoftplus + a correction bias) or by the frozen
+token-id hash table of a hash layer, and one shared expert, all SwiGLU clamped at swiglu_limit."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.models.ops import ModelOps, TorchOps
+
+
+class ClampedMLP(nn.Module):
+    """The shared expert: SwiGLU with the gate clamped above and the up projection clamped both ways."""
+
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        return self.w2(F.silu(gate) * self.w3(x).clamp(min=-self.limit, max=self.limit))
+
+
+class Gate(nn.Module):
+    """The router: sqrtsoftplus (or softmax / sigmoid) scores; the experts come from top-k of score + bias,
+    or from the frozen tid2eid table of a hash layer; their scores, renormalised, times routed_scaling_factor."""
+
+    def __init__(self, config: Any, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
+        self.scoring = config.scoring_func
+        if self.scoring not in ("sqrtsoftplus", "softmax", "sigmoid"):
+            raise ValueError(f"scoring_func {self.scoring!r} is not supported; supported: sqrtsoftplus, softmax, "
+                             "sigmoid")
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.hashed = hashed
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts))  # e_score_correction_bias
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stacked as w13 [E, 2I, H] and w2 [E, H, I], filled from `experts.J.w1/w3/w2`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.inter, self.num_experts, self.limit = i, e, config.swiglu_limit
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.ops: ModelOps = TorchOps()
+
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        i = self.inter
+        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for j in range(self.num_experts):
+            views[f"{prefix}.{j}.w1.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :i])
+            views[f"{prefix}.{j}.w3.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, i:])
+            views[f"{prefix}.{j}.w2.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
+        return views
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.fused_experts(x, self.w13, self.w2, weights.to(x.dtype), ids, self.limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: Any, hashed: bool) -> None:
+        super().__init__()
+        self.gate = Gate(config, hashed)
+        self.experts = Experts(config)
+        self.shared_experts = ClampedMLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
+        self.force_worst_routing = False  # profiling: every token to experts 0..k-1
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        if self.force_worst_routing:
+            ids = torch.arange(ids.shape[1], device=x.device).expand_as(ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
