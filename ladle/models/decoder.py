@@ -128,38 +128,51 @@ class DecoderForCausalLM(nn.Module):
 
         Raises on a name no parameter has, or a shape mismatch, so a wrong checkpoint fails loudly.
         """
+        tied_head: list[torch.Tensor] = []
+
+        def kept() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and self.lm_head is None:
+                    tied_head[:] = [tensor]  # HF ties lm_head to the embedding; used only if the embedding is absent
+                    continue
+                yield name, tensor
+
         params = dict(self.named_parameters())
-        views = checkpoint_views(self)
-        parts_loaded: dict[str, set[str]] = {}
-        loaded: set[str] = set()
-        tied_head: torch.Tensor | None = None
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                tied_head = tensor  # HF ties lm_head to the embedding; used only if the embedding is absent
-                continue
-            target, view = views.get(name, (name, None))
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            dest = param if view is None else view(param)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            if view is None:
-                loaded.add(name)
-            else:
-                parts_loaded.setdefault(target, set()).add(name)
-        expected: dict[str, set[str]] = {}
-        for name, (target, _) in views.items():
-            expected.setdefault(target, set()).add(name)
-        loaded |= {t for t, names in expected.items() if parts_loaded.get(t) == names}
+        loaded = copy_checkpoint(self, kept(), params)
         embed = "model.embed_tokens.weight"
-        if tied_head is not None and embed not in loaded:
-            params[embed].copy_(tied_head)
+        if tied_head and embed not in loaded:
+            params[embed].copy_(tied_head[0])
             loaded.add(embed)
         return loaded
+
+
+def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    targets: dict[str, torch.Tensor]) -> set[str]:
+    """Copy each (name, tensor) into targets[name] (a parameter or buffer), or into the view of a stacked
+    parameter a module's checkpoint_views gives; returns the targets fully loaded (a stacked one once every
+    tensor it holds arrived). Raises on a name with no target or a shape mismatch."""
+    views = checkpoint_views(model)
+    parts_loaded: dict[str, set[str]] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, view = views.get(name, (name, None))
+        dest = targets.get(target)
+        if dest is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        dest = dest if view is None else view(dest)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        if view is None:
+            loaded.add(name)
+        else:
+            parts_loaded.setdefault(target, set()).add(name)
+    expected: dict[str, set[str]] = {}
+    for name, (target, _) in views.items():
+        expected.setdefault(target, set()).add(name)
+    return loaded | {t for t, names in expected.items() if parts_loaded.get(t) == names}
 
 
 def checkpoint_views(model: nn.Module) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:

@@ -22,6 +22,7 @@ from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
 from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Attention, Dsv4Rope
 from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
+from ladle.models.decoder import copy_checkpoint
 from ladle.models.deepseek_v4_moe import MoE
 
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
@@ -173,36 +174,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); multi-token
         prediction layers (`mtp.*`) are skipped. Returns the parameters loaded; raises on unknown names and
         on a hash layer without its tid2eid table."""
-        from ladle.models.decoder import checkpoint_views
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for raw, tensor in weights:
+                name = _RENAMES.get(raw.removeprefix("model."), raw.removeprefix("model."))
+                if name.startswith("mtp.") or ".mtp." in name or (name == "head.weight" and self.head is None):
+                    continue
+                yield name, tensor
 
-        params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
-        views = checkpoint_views(self)
-        loaded: set[str] = set()
-        parts: dict[str, set[str]] = {}
-        for raw, tensor in weights:
-            name = raw.removeprefix("model.")
-            if name.startswith("mtp.") or ".mtp." in name:
-                continue
-            name = _RENAMES.get(name, name)
-            if name == "head.weight" and self.head is None:
-                continue
-            target, view = views.get(name, (name, None))
-            dest = params.get(target, buffers.get(target))
-            if dest is None:
-                raise ValueError(f"checkpoint tensor {raw!r} matches no parameter of DeepseekV4ForCausalLM")
-            dest = dest if view is None else view(dest)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"{raw}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            if view is None:
-                loaded.add(name)
-            else:
-                parts.setdefault(target, set()).add(name)
-        expected: dict[str, set[str]] = {}
-        for name, (target, _) in views.items():
-            expected.setdefault(target, set()).add(name)
-        loaded |= {t for t, names in expected.items() if parts.get(t) == names}
+        loaded = copy_checkpoint(self, renamed(), dict(self.named_parameters()) | buffers)
         missing = sorted(b for b in buffers if b.endswith("tid2eid") and b not in loaded)
         if missing:
             raise ValueError(f"the checkpoint has no hash-routing table for: {', '.join(missing)}")

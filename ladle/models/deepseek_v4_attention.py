@@ -32,28 +32,13 @@ class Dsv4Rope(RotaryEmbedding):
 
     def __init__(self, config: Any, kind: str) -> None:
         nn.Module.__init__(self)
-        self.config, self.kind = config, kind
+        params = config.rope_parameters[kind]
+        self.config, self.layer_type = config, kind
+        self.rope_type, self.rope_theta = params.get("rope_type", "default"), float(params["rope_theta"])
         self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         self.attention_scaling = 1.0
         self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
-
-    @torch.no_grad()
-    def init_buffers(self) -> None:
-        device = self.inv_freq.device
-        if device.type == "meta":
-            return
-        params = self.config.rope_parameters[self.kind]
-        if params.get("rope_type", "default") == "default":
-            dim = self.rotary_dim
-            steps = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-            inv_freq, scaling = 1.0 / (float(params["rope_theta"]) ** (steps / dim)), 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](self.config, device, layer_type=self.kind)
-        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
-        self.attention_scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]

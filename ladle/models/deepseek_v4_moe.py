@@ -2,13 +2,13 @@
 token-id hash table of a hash layer, and one shared expert, all SwiGLU clamped at swiglu_limit."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.models.ops import ModelOps, TorchOps
+from ladle.models.moe import FusedMoE
 
 
 class ClampedMLP(nn.Module):
@@ -60,35 +60,12 @@ class Gate(nn.Module):
         return weights * self.scaling, ids
 
 
-class Experts(nn.Module):
-    """Routed experts stacked as w13 [E, 2I, H] and w2 [E, H, I], filled from `experts.J.w1/w3/w2`."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.inter, self.num_experts, self.limit = i, e, config.swiglu_limit
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
-        self.ops: ModelOps = TorchOps()
-
-    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
-        i = self.inter
-        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
-        for j in range(self.num_experts):
-            views[f"{prefix}.{j}.w1.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :i])
-            views[f"{prefix}.{j}.w3.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, i:])
-            views[f"{prefix}.{j}.w2.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
-        return views
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_experts(x, self.w13, self.w2, weights.to(x.dtype), ids, self.limit)
-
-
 class MoE(nn.Module):
     def __init__(self, config: Any, hashed: bool) -> None:
         super().__init__()
         self.gate = Gate(config, hashed)
-        self.experts = Experts(config)
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                config.hidden_act, ("w1", "w3", "w2"), config.swiglu_limit)
         self.shared_experts = ClampedMLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
         self.force_worst_routing = False  # profiling: every token to experts 0..k-1
 
@@ -96,4 +73,4 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, input_ids)
         if self.force_worst_routing:
             ids = torch.arange(ids.shape[1], device=x.device).expand_as(ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x)

@@ -53,6 +53,7 @@ class RotaryEmbedding(nn.Module):
         self.rope_theta = float(params["rope_theta"])
         # Models with partial rope (Qwen3.5) rotate only the first rotary_dim dims of each head.
         self.rotary_dim = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
+        self.layer_type: str | None = None  # the key of config.rope_parameters for models with several tables
         self.attention_scaling = 1.0
         self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         self.init_buffers()
@@ -69,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
+            by_type = {"layer_type": self.layer_type} if self.layer_type else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device, **by_type)
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         self.attention_scaling = float(scaling)
 

@@ -26,11 +26,16 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 swiglu_limit: float | None = None) -> None:
+        """names: the checkpoint's (gate, up, down) tensor names under `experts.{j}.` (DeepSeek's w1, w3, w2);
+        swiglu_limit: clamp gate and up before the activation (DeepSeek-V4)."""
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported for experts; only 'silu'")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.names, self.swiglu_limit = names, swiglu_limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.ops: ModelOps = TorchOps()  # grouped torch matmuls, or the Triton grouped GEMMs on CUDA
@@ -39,15 +44,18 @@ class FusedMoE(nn.Module):
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
         size = self.intermediate_size
         views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        gate, up, down = self.names
         for j in range(self.num_experts):
-            views[f"{prefix}.{j}.gate_proj.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :size])
-            views[f"{prefix}.{j}.up_proj.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, size:])
-            views[f"{prefix}.{j}.down_proj.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
+            views[f"{prefix}.{j}.{gate}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :size])
+            views[f"{prefix}.{j}.{up}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, size:])
+            views[f"{prefix}.{j}.{down}.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
         return views
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
-        return self.ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.swiglu_limit is None:
+            return self.ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        return self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
 
 
 class SparseMoeBlock(nn.Module):
