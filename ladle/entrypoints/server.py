@@ -38,7 +38,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model directory's base name)")
+                   help="the model name clients send (default: the model argument as given, as vLLM names it)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 429 when this many requests are already waiting (default: unbounded)")
@@ -92,7 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.
     engine_args = dataclasses.replace(engine_args, reserved_cpus=1)
     model = engine_args.model
-    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    # As vLLM names it: the model argument as given, so a client sending --model's value finds it.
+    name = args.served_model_name or args.model_tag or args.model or os.path.basename(os.path.normpath(model))
     sock = _listen(args.host, args.port)  # a port in use fails now, before anything loads
     metrics = ServerMetrics(name)
     supervision = SupervisorConfig(
