@@ -9,6 +9,7 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
+from ladle.models.cpu_linear import CpuHead, pack, pack_linears
 from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
@@ -105,6 +106,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cpu_head: CpuHead | None = None
 
     def forward(
         self,
@@ -118,8 +120,23 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab], computed in the model dtype like HF."""
+        if self.cpu_head is not None:
+            return self.cpu_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def lay_out_for_cpu(self) -> None:
+        """After loading, on CPU: every linear layer's weight packed for oneDNN, and the head in its own
+        layouts (ladle.models.cpu_linear); a no-op where oneDNN cannot pack this dtype here. A tied head keeps
+        the embedding as it is (it gathers rows), so the head's layouts are extra memory, counted as weights."""
+        if pack_linears(self.model) == 0:
+            return
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        packed = pack(head)
+        if packed is not None:
+            self.cpu_head = CpuHead(head, packed)
+            if self.lm_head is not None:  # the untied head's weight now lives only in cpu_head, which stands in
+                self.lm_head = self.cpu_head
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

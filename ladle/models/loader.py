@@ -91,16 +91,17 @@ def load_model(
         init_dummy_weights(model, seed)
         if hasattr(model, "init_dummy_buffers"):  # buffers that must hold valid values (a hash-routing table)
             model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
-        return model.requires_grad_(False).eval(), config
-    loaded = model.load_weights(
-        (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)
-    )
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
-    model.requires_grad_(False)
-    return model.eval(), config
+    else:
+        loaded = model.load_weights(
+            (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)
+        )
+        missing = sorted(set(dict(model.named_parameters())) - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
+    if device.type == "cpu" and hasattr(model, "lay_out_for_cpu"):
+        model.lay_out_for_cpu()
+    return model.requires_grad_(False).eval(), config
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
