@@ -1,4 +1,5 @@
-"""The report section of benchmarks/vllm_side_by_side.py: ladle beside vLLM's CPU build."""
+"""The report sections of benchmarks/vllm_side_by_side.py and vllm_serve_side_by_side.py: ladle beside vLLM's CPU
+build, offline and serving."""
 from __future__ import annotations
 
 from typing import Any
@@ -28,4 +29,46 @@ def vllm_peer(r: dict[str, Any]) -> list[str]:
     ax.legend()
     ax.set_title("Same workload, same checkpoint: ladle vs vLLM on CPU")
     save_plot(fig, "vllm_side_by_side")
+    return lines
+
+
+def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
+    """Both servers, both clients, every rate: TTFT and ITL p50 / p99 side by side, and their ratios."""
+    lines = ["## 7b. Serving beside vLLM (CPU build)", "",
+             f"`ladle serve` and `vllm serve` (vLLM {r.get('vllm_version', '')}) on `{r['model']}`, {r['dtype']}, "
+             f"max_model_len {r['max_model_len']}, each with its defaults otherwise, one after the other. At each "
+             f"Poisson rate (about {r['seconds']:.0f} s of arrivals) two clients take turns: vLLM's own "
+             f"`vllm bench serve` (random dataset) and `ladle bench serve`'s client (random token ids); prompts "
+             f"{r['input_len']} tokens, outputs {r['output_len']} (greedy, ignore_eos, streaming). Startup is "
+             "launch to a healthy /health.", ""]
+    lines += header(r, "vllm_serve_side_by_side")
+    servers = {s["engine"]: s for s in r["servers"]}
+    lines += [f"Startup: ladle {servers['ladle']['startup_s']:.1f} s, vLLM {servers['vllm']['startup_s']:.1f} s. "
+              "Threads: " + "; ".join(f"{e}: " + " / ".join(s["thread_settings"][:3]) for e, s in servers.items()),
+              ""]
+    pts = {(p["server"], p["client"], p["rate"]): p for s in r["servers"] for p in s["points"]}
+    rows = []
+    for client in ("vllm", "ladle"):
+        for rate in sorted({k[2] for k in pts}):
+            a, b = pts[("ladle", client, rate)], pts[("vllm", client, rate)]
+            row = [f"`{client} bench serve`", rate, f"{a['completed']} / {b['completed']}"]
+            for key in ("ttft_ms", "itl_ms", "tpot_ms"):
+                for q in ("median", "p99"):
+                    row.append(f"{a[key][q]:.1f} / {b[key][q]:.1f} ({a[key][q] / b[key][q]:.2f})")
+            rows.append(row)
+    lines += ["Each cell: ladle / vLLM (ratio; below 1 is ladle faster).", ""]
+    lines += table(["client", "rate req/s", "completed"] + [f"{m} {q} ms" for m in ("TTFT", "ITL", "TPOT")
+                                                               for q in ("p50", "p99")], rows) + [""]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    rates = sorted({k[2] for k in pts})
+    for ax, key in zip(axes, ("ttft_ms", "itl_ms")):
+        for engine, color in (("ladle", "#1f77b4"), ("vllm", "#ff7f0e")):
+            for q, style in (("median", "o-"), ("p99", "s--")):
+                ax.plot(rates, [pts[(engine, "vllm", x)][key][q] for x in rates], style, color=color,
+                        label=f"{engine} {'p50' if q == 'median' else q}")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{key[:-3].upper()} ms (vllm bench serve)")
+        ax.legend(fontsize=7)
+    fig.suptitle("Serving latency at equal Poisson rates: ladle serve vs vllm serve")
+    save_plot(fig, "vllm_serve_side_by_side")
     return lines
