@@ -56,3 +56,22 @@ def test_reserved_cpus_pin_the_process_to_the_rest():
     cpus = usable_cpus()
     assert out.stdout.split("[")[0].split() == [str(len(cpus) - 1)] * 2, out.stderr
     assert f"{sorted(cpus[:-1])}" in out.stdout and "less 1 for the API process" in out.stdout
+
+
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="binding a team of two needs two CPUs")
+def test_each_openmp_thread_is_bound_to_its_own_cpu():
+    """vLLM's per-thread binding: after bind_openmp_threads, torch's team (reused by a real matmul) holds one
+    thread per CPU, each with a one-CPU mask, and the matmul still gives the right answer."""
+    code = ("import torch; from pathlib import Path; from ladle.engine.threads import bind_openmp_threads as bind, "
+            "usable_cpus; cpus = usable_cpus()[:2]; torch.set_num_threads(2); print(bind(cpus)); "
+            "x = torch.randn(512, 512, dtype=torch.float64); assert torch.allclose(x @ x.T, (x @ x.T).T); "
+            "print(' '.join(line.split()[-1] for t in Path('/proc/self/task').iterdir() "
+            "for line in (t / 'status').read_text().splitlines() if line.startswith('Cpus_allowed_list')))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    bound, masks = out.stdout.strip().splitlines()
+    cpus = usable_cpus()[:2]
+    assert bound == str(cpus)
+    one_cpu = [m for m in masks.split() if m.isdigit()]
+    assert sorted(set(one_cpu)) == sorted(str(c) for c in cpus)

@@ -84,7 +84,11 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     device, dtype = resolve_basics(args, prov)
     # Before anything runs in parallel: torch's thread team is created at the first parallel op, and its
     # threads inherit this thread's CPU mask.
-    apply_threads(resolve_threads(args, prov), device, pin=args.reserved_cpus > 0)
+    bound = apply_threads(resolve_threads(args, prov), device, pin=args.reserved_cpus > 0)
+    if bound is not None:
+        prov.put("cpu_binding", " ".join(map(str, bound)),
+                 f"OpenMP thread i on the i-th of these CPUs, as vLLM binds; {args.reserved_cpus} left to the API "
+                 "process")
     free, total = free_memory_bytes(device), total_memory_bytes(device)
     user_cap = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     budget, budget_reason = device_budget(device, args.gpu_memory_utilization, user_cap, free, total)

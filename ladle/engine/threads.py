@@ -5,12 +5,14 @@ slowest thread each time another process (the API server's, a neighbour's) takes
 here (BENCHMARKS.md, "CPU threads under load"): 2 threads are 1.4x faster than 1 on a quiet 2-core machine,
 but 3.9x slower than themselves beside one busy process (2.4x with each thread bound to a core, as vLLM binds),
 while 1 thread does not slow down. The default is every CPU this process may use, less those reserved for
-ladle's other processes: `ladle serve` reserves one for its API process and pins its engine to the rest. On a
-shared machine, set num_threads below the free cores.
+ladle's other processes: `ladle serve` reserves one for its API process and binds each of its engine's threads
+to one of the rest, as vLLM's CPU backend binds them. On a shared machine, set num_threads below the free cores.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,15 +44,53 @@ def resolve_threads(args: EngineArgs, prov: Provenance) -> int:
     return prov.put("num_threads", len(cpus) - reserved, reason)
 
 
-def apply_threads(num_threads: int, device: torch.device, pin: bool) -> None:
-    """Run torch with num_threads threads; with pin, also keep this process on its first num_threads CPUs,
-    so the OS moves other work (the API process) to the reserved ones instead of preempting a thread the
-    rest of the team waits for. Only a process ladle owns is pinned (the server's engine process): an
+def apply_threads(num_threads: int, device: torch.device, pin: bool) -> list[int] | None:
+    """Run torch with num_threads threads; with pin, also bind thread i of torch's OpenMP team to the i-th CPU
+    this process may use (the API process gets the rest), so the OS moves other work to the reserved CPUs
+    instead of preempting a thread the rest of the team waits for. Returns the CPU each thread is bound to
+    (None when nothing was bound). Only a process ladle owns is pinned (the server's engine process): an
     offline LLM runs in its caller's process, whose affinity is the caller's business."""
     import torch
 
     if device.type != "cpu":
-        return
+        return None
     torch.set_num_threads(num_threads)
-    if pin and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, usable_cpus()[:num_threads])
+    if not pin or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = usable_cpus()[:num_threads]
+    os.sched_setaffinity(0, cpus)  # threads created from here on (the team's included) start inside the set
+    return bind_openmp_threads(cpus)
+
+
+def bind_openmp_threads(cpus: list[int]) -> list[int] | None:
+    """Bind OpenMP thread i of torch's team to cpus[i]: each team thread runs a ctypes callback through
+    libgomp's own entry point for a parallel region, which sets that thread's affinity (pid 0 is the calling
+    thread), as vLLM's init_cpu_threads_env does in C++. Returns the CPU of each thread's mask afterwards, or
+    None when torch's OpenMP runtime is not libgomp (then the process-wide set above is all the binding)."""
+    lib = _libgomp()
+    if lib is None:
+        return None
+    bound = [-1] * len(cpus)
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def bind(_: int | None) -> None:
+        i = lib.omp_get_thread_num()
+        os.sched_setaffinity(0, [cpus[i]])
+        bound[i] = min(os.sched_getaffinity(0))  # this thread's own mask, as the kernel now has it
+
+    lib.GOMP_parallel(bind, None, len(cpus), 0)
+    return bound
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process already runs (torch's own copy), found in its memory map."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    if len(paths) != 1:
+        return None
+    lib = ctypes.CDLL(paths.pop())
+    lib.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    lib.GOMP_parallel.restype = None
+    return lib
