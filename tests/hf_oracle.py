@@ -1,22 +1,7 @@
-"""HF transformers as the oracle: a greedy loop over its own KV cache that never suppresses EOS.
-
-`generate(min_new_tokens=...)` would mask EOS logits, which ladle's ignore_eos must not do, so the loop is
-written out; it is what `generate` does for greedy decoding otherwise.
-"""
+"""HF transformers as the oracle: its greedy loop (ladle.hf_reference.hf_greedy), its logprobs, ladle's side."""
 import torch
 
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model(input_ids=ids, use_cache=True)
-    tokens: list[int] = []
-    while True:
-        tok = int(out.logits[0, -1].argmax())
-        tokens.append(tok)
-        if len(tokens) == max_new_tokens or tok in stop_ids:
-            return tokens
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+from ladle.hf_reference import hf_greedy  # noqa: F401  (the tests' oracle, re-exported)
 
 
 @torch.inference_mode()
