@@ -3,8 +3,8 @@
 Both run the same random checkpoint in bf16 on the same token-id prompts (greedy, ignore_eos). Where a request's
 tokens first differ, the shared prefix is scored three ways at that position: HF in float32 (the reference),
 HF in bf16, and ladle in bf16 (its logprobs). A divergence is rounding when the float32 margin between the two
-engines' picks is no larger than HF bf16's own error on that margin (|its margin - the float32 margin|): HF
-itself cannot tell the two tokens apart at bf16 precision there.
+engines' picks is no larger than HF bf16's own logit error at that position (its largest |bf16 - float32| over
+the vocabulary): at bf16 precision HF's own ranking of two tokens that close is noise.
 
     python benchmarks/bf16_agreement.py --model-name qwen3-256 --num-prompts 16
 """
@@ -65,7 +65,6 @@ def main() -> None:
             ref, hf16 = (last_logits(hf[dt], prompt + ours[:j]) for dt in (torch.float32, torch.bfloat16))
             step = out.outputs[0].logprobs[j]
             row.update(ladle_token=a, hf_token=b, **rounding_tie(ref, hf16, a, b),
-                       hf_bf16_max_logit_error=float((hf16 - ref).abs().max()),
                        ladle_bf16_margin=step[a].logprob - step[b].logprob if b in step else None)
         rows.append(row)
         print(row, flush=True)

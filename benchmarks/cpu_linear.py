@@ -1,7 +1,8 @@
 """CPU linear layers by row count: torch's F.linear (row-major weight), the same weight read column-major, and
 oneDNN's pre-packed weight (ladle.models.cpu_linear, as vLLM's CPU backend runs its linears), one thread, on
-the shapes of a model's layers and head. Each cell is the median of interleaved repeats; the weight is hot in
-cache here, so these are per-call costs, not a decode step's (which streams every weight from memory).
+the shapes of a model's layers and head. Each cell is the median of interleaved repeats. The first table calls
+one weight again and again (hot in cache: per-call costs); the second runs every linear of the model once per
+step, as a decode step does, so the weights stream from memory.
 
     python benchmarks/cpu_linear.py --model-name qwen3-512 --out benchmarks/results/cpu_linear.md
 """
@@ -66,6 +67,27 @@ def main() -> None:
             lines.append(f"| {name} | {k} x {n} | {rows} | {med[0]:.3f} | {med[1]:.3f} | {med[2]:.3f} | "
                          f"{med[2] / med[0]:.2f} |")
             print(lines[-1], flush=True)
+    lines += ["", f"Every linear of `{args.model_name}` once per step ({m['num_hidden_layers']} layers and the "
+              "head, weights streamed from memory), ms per step:", "",
+              "| rows | F.linear | column-major | packed | packed / F.linear |", "|---:|---:|---:|---:|---:|"]
+    layers = [shapes[k] for k in ("qkv", "o", "gate_up", "down")] * m["num_hidden_layers"] + [shapes["head"]]
+    weights = [torch.randn(n, k) for k, n in layers]
+    variants = [[(w, F.linear) for w in weights], [(w.t().contiguous().t(), F.linear) for w in weights],
+                [(pack(w), lambda x, p: packed_linear(x, p, None)) for w in weights]]
+    for rows in args.rows[:-1]:
+        inputs = {k: torch.randn(rows, k) for k, _ in layers}
+
+        def step(variant: list, rows: int = rows) -> None:
+            for (w, fn), (k, _) in zip(variant, layers):
+                fn(inputs[k], w)
+
+        times = [[] for _ in variants]
+        for _ in range(args.repeats):
+            for t, variant in zip(times, variants):
+                t.append(per_call_ms(lambda: step(variant), seconds=0.2))
+        med = [statistics.median(t) for t in times]
+        lines.append(f"| {rows} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {med[2] / med[0]:.2f} |")
+        print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)

@@ -44,7 +44,8 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     lines += header(r, "vllm_serve_side_by_side")
     servers = {s["engine"]: s for s in r["servers"]}
     lines += [f"Startup: ladle {servers['ladle']['startup_s']:.1f} s, vLLM {servers['vllm']['startup_s']:.1f} s. "
-              "Threads: " + "; ".join(f"{e}: " + " / ".join(s["thread_settings"][:3]) for e, s in servers.items()),
+              "Threads: " + "; ".join(f"{e}: " + " / ".join(" ".join(x.split()) for x in s["thread_settings"][:3])
+                                         for e, s in servers.items()),
               ""]
     pts = {(p["server"], p["client"], p["rate"]): p for s in r["servers"] for p in s["points"]}
     rows = []
@@ -72,3 +73,24 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     fig.suptitle("Serving latency at equal Poisson rates: ladle serve vs vllm serve")
     save_plot(fig, "vllm_serve_side_by_side")
     return lines
+
+
+def bf16_agreement(r: dict[str, Any]) -> list[str]:
+    """ladle bf16 against HF bf16: identical requests, and each first divergence with its float32 margin."""
+    s, chunking = r["summary"], r.get("ladle_settings") or {}
+    title = "chunked prefill (" + ", ".join(f"{k} {v}" for k, v in chunking.items()) + ")" if chunking else \
+        "default settings"
+    lines = [f"### bf16 greedy tokens against HF bf16, {title}", "", f"Reproduce: `{r['command']}`", "",
+             f"`{r['model']}`, {len(r['rows'])} requests (prompts {r['input_len']}, outputs {r['output_len']}): "
+             f"**{s['identical']} identical** to HF's bf16 greedy tokens, {s['diverged']} part from them, "
+             f"{s['diverged_by_rounding']} of those at a rounding tie; at the parting token float32 prefers "
+             f"ladle's pick in {s['ladle_agrees_with_float32_at_divergence']} of {s['diverged']}.", "",
+             "| request | prompt | parts at token | float32 margin (ladle - HF pick) | HF bf16 logit error there | "
+             "ladle bf16 margin | rounding tie |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in r["rows"]:
+        if x["first_divergence"] is not None:
+            ladle = "n/a" if x["ladle_bf16_margin"] is None else f"{x['ladle_bf16_margin']:.4f}"
+            lines.append(f"| {x['request']} | {x['prompt_len']} | {x['first_divergence']} | "
+                         f"{x['reference_margin']:+.4f} | {x['low_precision_logit_error']:.4f} | {ladle} | "
+                         f"{'yes' if x['rounding'] else 'no'} |")
+    return lines + [""]

@@ -114,8 +114,8 @@ def measure_server(engine: str, args: argparse.Namespace, model: str, vocab: int
                       flush=True)
     finally:
         stop(proc)
-    threads = [line.strip() for line in log.read_text().splitlines()
-               if any(k in line for k in ("num_threads", "core ids", "reserved_cpus", "OMP_THREADS_BIND"))]
+    keys = ("num_threads", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
+    threads = [line.strip() for line in log.read_text().splitlines() if any(k in line for k in keys)]
     return {"engine": engine, "command": " ".join(cmd), "startup_s": startup, "points": points,
             "thread_settings": threads}
 

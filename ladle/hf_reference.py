@@ -35,11 +35,12 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
 
 def rounding_tie(reference_logits: Any, low_precision_logits: Any, ours: int, theirs: int) -> dict[str, Any]:
     """Whether two engines' different greedy picks at one position are a rounding tie: the reference's (float32)
-    margin between the two tokens is no larger than the low-precision model's own error on that margin, so at
-    that precision the model cannot tell them apart. Both logit vectors are for the same prefix."""
+    margin between the two tokens is no larger than the low-precision model's own logit error at that position
+    (its largest |low - reference| over the vocabulary), so at that precision the model's ranking of the two is
+    noise. Both logit vectors are for the same prefix."""
     margin = float(reference_logits[ours] - reference_logits[theirs])  # > 0: the reference agrees with ours
-    error = abs(float(low_precision_logits[ours] - low_precision_logits[theirs]) - margin)
-    return {"reference_margin": margin, "low_precision_margin_error": error, "rounding": abs(margin) <= error,
+    error = float((low_precision_logits.float() - reference_logits.float()).abs().max())
+    return {"reference_margin": margin, "low_precision_logit_error": error, "rounding": abs(margin) <= error,
             "reference_argmax": int(reference_logits.argmax())}
 
 

@@ -1,6 +1,6 @@
 """bfloat16 on CPU against HF transformers in bfloat16: greedy tokens agree, and where a request's tokens part,
-they part at a rounding tie (HF's own bf16 error on the margin between the two picks is at least the float32
-margin), never at a position where float32 clearly prefers HF's pick. Token-for-token equality in every
+they part at a rounding tie (the float32 margin between the two picks is within HF bf16's own logit error at
+that position), never where float32 clearly prefers HF's pick. Token-for-token equality in every
 chunking is the fp32 invariant; bf16 sums in another order when a prefill is chunked, so it can flip a tie."""
 import pytest
 import torch
@@ -44,6 +44,6 @@ def test_bf16_greedy_parts_from_hf_bf16_only_at_rounding_ties(bf16_case, budget,
             ref, low = (hf[dt](prefix).logits[0, -1].float() for dt in (torch.float32, torch.bfloat16))
         tie = rounding_tie(ref, low, got[j], want[j])
         assert tie["rounding"], (f"token {j} of a {len(prompt)}-token prompt: ladle {got[j]}, HF {want[j]}, "
-                                 f"float32 margin {tie['reference_margin']:.4f} > HF bf16's error "
-                                 f"{tie['low_precision_margin_error']:.4f}")
+                                 f"float32 margin {tie['reference_margin']:.4f} > HF bf16's logit error "
+                                 f"{tie['low_precision_logit_error']:.4f}")
     assert same >= len(prompts) // 2  # ties are rare: most requests agree to the last token
