@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_oracle import ladle_tokens
+from hf_oracle import assert_greedy_under_preemption, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.demo import build_tokenizer
 
@@ -119,9 +119,7 @@ def test_greedy_equals_hf_under_preemption(cases, mix):
     want = [hf_greedy(hf, p, 60) for p in prompts]
     # Admission reserves a window's growth, not the compressed groups': their entries (one per 4 or 16-32
     # tokens) outgrow a block while decoding, and 10 blocks cannot hold all the requests admitted.
-    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=10, max_prefill_length=19)
-    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) == want
-    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 10
+    assert_greedy_under_preemption(path, prompts, want, max_tokens=60, num_kv_blocks=10)
 
 
 def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_layer(cases):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hf_oracle import hf_greedy, ladle_tokens
+from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 
 NEW_TOKENS = 6
@@ -79,9 +79,7 @@ def test_greedy_equals_hf_under_preemption(case):
     prompts = _prompts([40] * 6, 12)
     want = [hf_greedy(hf, p, 24) for p in prompts]
     # 40 + 24 tokens = 4 blocks per request in each full-attention group: 9 blocks hold about 2 of the 6.
-    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=9, max_prefill_length=19)
-    assert ladle_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == want
-    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 9
+    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9)
 
 
 def test_prefix_caching_and_graphs_are_derived_off_with_the_reason(case):

@@ -53,8 +53,6 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
-        if self.swiglu_limit is None:
-            return self.ops.fused_experts(x, self.w13, self.w2, weights, ids)
         return self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
 
 
