@@ -22,6 +22,7 @@ DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
 # vLLM spellings accepted as aliases of ladle's names.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.backends
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EngineArgs:
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
     num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
+    attention_backend: str | None = None  # torch | cpu | triton; default: triton on CUDA, cpu where it builds
     reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
     seed: int = 0
 
@@ -103,6 +105,9 @@ class EngineArgs:
         if num is not None and long is not None and long > num:
             raise ValueError(f"max_long_partial_prefills={long} exceeds max_num_partial_prefills={num}: long "
                              "prefills are some of the partial prefills; lower it or raise max_num_partial_prefills")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
@@ -188,6 +193,7 @@ class EngineConfig:
     async_scheduling: bool = False
     partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
     scheduling_policy: str = "fcfs"
+    attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ladle.attention.cpu_attention import CpuAttention
 from ladle.attention.metadata import AttentionMetadata
+from ladle.kernels.cpu_kernels import KernelUnavailable
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec
 
 
@@ -42,14 +45,40 @@ class TritonAttention:
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
 
 
-AttentionBackend = TorchAttention | TritonAttention
+AttentionBackend = TorchAttention | TritonAttention | CpuAttention
 
 
-def select_backend(device: torch.device, spec: AttentionSpec) -> AttentionBackend:
-    """The backend for a group of layers of this spec on this device, or a ValueError saying what is missing."""
-    if device.type != "cuda":
-        return TorchAttention()
-    backend = TritonAttention()
-    if not backend.supports(spec):
-        raise ValueError(f"no CUDA attention backend for {spec.describe()} yet; use device cpu")
-    return backend
+def resolve_backend(device: torch.device, requested: str | None) -> tuple[str, str]:
+    """The attention backend's name on this device, and why when it was not requested (vLLM's
+    --attention-backend): CUDA runs triton; CPU runs ladle's C decode kernel where it builds, torch where not."""
+    if device.type == "cuda":
+        if requested not in (None, "triton"):
+            raise ValueError(f"attention_backend={requested!r} runs on CPU only; on CUDA use triton (or leave it "
+                             "unset)")
+        return "triton", "" if requested else "the Triton kernels, on CUDA"
+    if requested == "triton":
+        raise ValueError("attention_backend='triton' needs CUDA; on CPU use cpu or torch (or leave it unset)")
+    if requested == "torch":
+        return "torch", ""
+    try:
+        load_cpu_kernels()
+    except KernelUnavailable as e:
+        if requested == "cpu":
+            raise ValueError(f"attention_backend='cpu' needs ladle's C kernels, which are unavailable: {e}; use "
+                             "attention_backend='torch'") from None
+        return "torch", f"ladle's C kernels are unavailable here ({e})"
+    return "cpu", "" if requested else "decode rows in ladle's C kernel (the KV pool read in place), prefills in torch"
+
+
+def select_backend(device: torch.device, spec: AttentionSpec, name: str | None = None) -> AttentionBackend:
+    """The backend for a group of layers of this spec on this device (name: resolve_backend's choice, resolved
+    here when None), or a ValueError saying what is missing."""
+    name = name or resolve_backend(device, None)[0]
+    if name == "triton":
+        backend = TritonAttention()
+        if not backend.supports(spec):
+            raise ValueError(f"no CUDA attention backend for {spec.describe()} yet; use device cpu")
+        return backend
+    if name == "cpu" and CpuAttention.supports(spec):
+        return CpuAttention(load_cpu_kernels())
+    return TorchAttention()

@@ -8,6 +8,8 @@ batched in groups whose gathered keys stay under `decode_group_tokens`.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ladle.attention.metadata import AttentionMetadata
@@ -202,6 +204,10 @@ def _attend_decodes_window(
     out.index_copy_(0, rows, o[:, :, 0, :])
 
 
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[tuple[int, int]],
+                     float, torch.Tensor], None]
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -212,10 +218,13 @@ def paged_attention(
     scale: float,
     context_tile: int = CONTEXT_TILE,
     decode_group_tokens: int = DECODE_GROUP_TOKENS,
+    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, kvh, D] of this step's tokens -> attention output [T, H, D] in q's dtype.
 
     The new k/v are written to the cache first, so each request reads its own chunk back with its history.
+    decode, when given, computes the one-row requests instead of the torch code below: called as
+    decode(q, k_cache, v_cache, attn, cu, [(request index, context length)], scale, out).
     """
     write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
@@ -233,10 +242,14 @@ def paged_attention(
         o = (_attend_prefill(qi, k_cache, v_cache, table, ctx, scale, context_tile) if window is None else
              _attend_prefill_window(qi, k_cache, v_cache, table, ctx, scale, context_tile, window))
         out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
-    if window is not None:
+    if not decodes:
+        return out
+    if decode is not None:
+        decode(q, k_cache, v_cache, attn, cu, decodes, scale, out)
+    elif window is not None:
         for group in _decode_groups([(i, min(c, window)) for i, c in decodes], window, decode_group_tokens):
             _attend_decodes_window(q, k_cache, v_cache, attn, cu, group, scale, window, out)
-        return out
-    for group in _decode_groups(decodes, context_tile, decode_group_tokens):
-        _attend_decodes(q, k_cache, v_cache, attn, cu, group, scale, context_tile, out)
+    else:
+        for group in _decode_groups(decodes, context_tile, decode_group_tokens):
+            _attend_decodes(q, k_cache, v_cache, attn, cu, group, scale, context_tile, out)
     return out

@@ -68,7 +68,7 @@ class EngineCore:
         # Room for every running request, and as many again for preempted ones coming back; one per group.
         tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
                   for _ in layout.groups]
-        backends = tuple(select_backend(cfg.device, g.spec) for g in layout.groups)
+        backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
         self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
                                   tuple(g.layers for g in layout.state_groups), layout.compressions)
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).

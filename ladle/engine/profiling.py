@@ -104,7 +104,7 @@ def fit_activation_model(points: list[ProfilePoint], max_num_seqs: int, tile: in
 
 def profile_points(
     model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
-    max_context: int, decode_rows: list[int], tile: int = CONTEXT_TILE,
+    max_context: int, decode_rows: list[int], tile: int = CONTEXT_TILE, attention_backend: str | None = None,
 ) -> list[ProfilePoint]:
     """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
     case); decode steps of each row count at context min(max_context, tile), where their workspace tops out,
@@ -115,7 +115,8 @@ def profile_points(
     for m in routers:
         m.force_worst_routing = True
     try:
-        points = _measure(model, layout, device, vocab_size, token_counts, max_context, decode_rows, tile)
+        points = _measure(model, layout, device, vocab_size, token_counts, max_context, decode_rows, tile,
+                          attention_backend)
     finally:
         for m in routers:
             m.force_worst_routing = False
@@ -126,7 +127,7 @@ def profile_points(
 
 def _measure(
     model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
-    max_context: int, decode_rows: list[int], tile: int,
+    max_context: int, decode_rows: list[int], tile: int, attention_backend: str | None,
 ) -> list[ProfilePoint]:
     block_size = layout.block_size
     num_blocks = -(-max_context // block_size)
@@ -136,7 +137,7 @@ def _measure(
     # A state slot per decode row (prefills use slot 0), as the engine's one slot per running request.
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
     runner = ModelRunner(model, caches, block_size, device, windows=layout.windows,
-                         backends=tuple(select_backend(device, g.spec) for g in layout.groups),
+                         backends=tuple(select_backend(device, g.spec, attention_backend) for g in layout.groups),
                          state_groups=tuple(g.layers for g in layout.state_groups),
                          compressions=layout.compressions)
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)

@@ -18,7 +18,7 @@ from ladle.engine.planner import PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
 from ladle.engine.threads import apply_threads, resolve_threads
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
-from ladle.attention.backends import select_backend
+from ladle.attention.backends import resolve_backend, select_backend
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
 
@@ -37,20 +37,22 @@ def profile_token_counts(max_len: int) -> list[int]:
 
 
 def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: object,
-                        layout: KVCacheLayout, device: torch.device, context: int) -> list[ProfilePoint]:
+                        layout: KVCacheLayout, device: torch.device, context: int,
+                        backend: str) -> list[ProfilePoint]:
     """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
     now and stored for the next start."""
     token_counts = profile_token_counts(context)
     rows = sorted({min(r, args.max_num_seqs) for r in (16, 64, 128)})
     dtype = layout.groups[0].spec.dtype
     key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
-                                    token_counts=token_counts, rows=rows)
+                                    token_counts=token_counts, rows=rows, attention_backend=backend)
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
     cached = profile_cache.load(key) if use_cache else None
     if cached is not None:
         prov.put("activation_profile", "cached", f"from {profile_cache.cache_dir() / key}.json")
         return cached
-    points = profile_points(model, layout, device, hf_config.vocab_size, token_counts, context, rows)
+    points = profile_points(model, layout, device, hf_config.vocab_size, token_counts, context, rows,
+                            attention_backend=backend)
     stored = profile_cache.store(key, points)
     why = "no cache entry for this model, dtype, device and code" if use_cache else "profile_cache is off"
     prov.put("activation_profile", "measured",
@@ -111,10 +113,12 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
         graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
+    backend, why = resolve_backend(device, args.attention_backend)
+    prov.put("attention_backend", backend, why)
     for group in layout.groups:
-        select_backend(device, group.spec)  # fails now, with the reason, if a group has no backend here
+        select_backend(device, group.spec, backend)  # fails now, with the reason, if a group has no backend here
 
-    points = _activation_profile(args, prov, model, hf_config, layout, device, context)
+    points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend)
     activation = fit_activation_model(points, args.max_num_seqs)
 
     # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
@@ -135,7 +139,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
         max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
-        partial_prefills=limits, scheduling_policy=args.scheduling_policy,
+        partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
         settings=prov.settings, plan=plan, kv_layout=layout,
     )
     return Loaded(model, hf_config, config)

@@ -10,6 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ladle.config import ATTENTION_BACKENDS
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
@@ -66,6 +67,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=S,
                    help="CPU: torch threads (default: the CPUs this process may use; serve leaves one for its API "
                         "process and pins the engine to the rest)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=S,
+                   help="default: triton on CUDA; on CPU, ladle's C decode kernel (built with the system C compiler "
+                        "on first use), or torch where it cannot be built")
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -79,7 +83,7 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
-               "async_scheduling", "load_format", "profile_cache", "num_threads", "seed")
+               "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],

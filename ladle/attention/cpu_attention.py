@@ -1,0 +1,59 @@
+"""The CPU attention backend: prefill chunks through the torch reference (its flash kernel is efficient for
+many query rows), decode rows through ladle's C kernel, which reads K and V in place from the block pool.
+
+For one query row torch has no fast path: gathering the context and calling the flash kernel (or a batched
+matmul) runs at a fraction of memory bandwidth, and builds a dozen small tensors per layer. Measured here
+(benchmarks/cpu_decode_attention.py, one thread, 8 decodes, 8 heads over 4 kv heads x 64): see
+BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from ladle.attention import torch_ref
+from ladle.attention.metadata import AttentionMetadata
+from ladle.kernels.cpu_kernels import CpuKernels
+from ladle.kv_cache.specs import AttentionSpec
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuAttention:
+    """Decode rows in C (any window), prefill chunks in torch."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        # The step's decode rows as tensors, built by the first layer and reused by the rest (the metadata
+        # object is the step's, so identity says whether it is the same step).
+        self._plan: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def supports(spec: AttentionSpec) -> bool:
+        return spec.dtype in _DTYPES and spec.compress_rate == 1 and not spec.kv_shared
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+        if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
+            return torch_ref.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
+        return torch_ref.paged_attention(q.contiguous(), k, v, k_cache, v_cache, attn, scale, decode=self._decode)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
+                cu: list[int], decodes: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:
+        if self._plan is None or self._plan[0] is not attn:
+            seqs = torch.tensor([i for i, _ in decodes], dtype=torch.int64)
+            rows = torch.tensor([cu[i] for i, _ in decodes], dtype=torch.int64)
+            tables = attn.block_tables.to(torch.int32).contiguous()
+            lens = attn.context_lens.to(torch.int32).contiguous()
+            self._plan = (attn, seqs, rows, tables, lens)
+        _, seqs, rows, tables, lens = self._plan
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        failed = self.kernels.paged_decode_attention(
+            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), len(decodes), num_heads,
+            num_kv_heads, head_dim, k_cache.shape[1], scale, attn.sliding_window or 0,
+            int(q.dtype == torch.bfloat16), torch.get_num_threads())
+        if failed:
+            raise MemoryError("the CPU decode attention kernel could not allocate its scratch memory")

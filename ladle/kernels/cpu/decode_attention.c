@@ -1,0 +1,146 @@
+/* Paged decode attention on CPU: one query row per request, reading K and V in place from the block pool.
+ *
+ * Built at first use by ladle/kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and called through
+ * ctypes. The OpenMP team is torch's own: the library names libgomp.so.1, which torch has already loaded.
+ *
+ * Layouts (all contiguous): q, out [T, H, D]; pools [num_blocks, block_size, KVH, D]; block_tables [B, stride]
+ * int32; context_lens [B] int32 (tokens in the cache, this step's included). One work item per request. Scores are exact fp32 (no online rescaling): one
+ * pass computes them, one takes the max and the exponentials, one accumulates V.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                              /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8(const void *base, int64_t at, int is_bf16) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)base + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Eight vectors -> one vector of their eight horizontal sums. */
+static inline __m256 sum8x8(const __m256 a[8]) {
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* out[t] = scale * q . row t, for 8 rows at offs[0..8] (elements) of base; d a multiple of 8. */
+static inline void dots8(float *out, const float *q, const void *base, const int64_t *offs, int64_t d, float scale,
+                         int is_bf16) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qc, load8(base, offs[t] + c, is_bf16), acc[t]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+}
+
+#define VECTOR_DOTS 1
+#else
+#define VECTOR_DOTS 0
+#endif
+
+static inline float elem(const void *base, int64_t at, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
+static inline float dot(const float *q, const void *base, int64_t at, int64_t d, int is_bf16) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < d; i++) acc += q[i] * elem(base, at + i, is_bf16);
+    return acc;
+}
+
+static inline void axpy(float *y, float a, const void *base, int64_t at, int64_t d, int is_bf16) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; i++) y[i] += a * elem(base, at + i, is_bf16);
+}
+
+/* One request, every head: each token's K (then V) row for all kv heads is one contiguous run, so the pool
+ * streams block by block (per-head passes would stride through it and miss the TLB every few tokens).
+ * Returns 0, or -1 when its scratch could not be allocated. */
+static int attend_one(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,
+                      int64_t ctx, int64_t row, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+                      int64_t block_size, float scale, int64_t window, int is_bf16) {
+    const int64_t group = num_heads / num_kv_heads, lo = window > 0 && ctx > window ? ctx - window : 0;
+    const int64_t n = ctx - lo, hd = num_heads * d;
+    float *qf = malloc(sizeof(float) * (size_t)(2 * hd + num_heads * (n + 8 + 1)) + sizeof(int64_t) * (size_t)n);
+    if (qf == NULL) return -1;
+    float *acc = qf + hd, *total = acc + hd, *scores = total + num_heads; /* scores: [H][n + 8], 8 spare */
+    int64_t *offs = (int64_t *)(scores + num_heads * (n + 8));
+    const int64_t stride = n + 8;
+    for (int64_t i = 0; i < hd; i++) qf[i] = elem(q, row * hd + i, is_bf16);
+    memset(acc, 0, sizeof(float) * (size_t)hd);
+    for (int64_t p = lo; p < ctx; p++)
+        offs[p - lo] = ((int64_t)table[p / block_size] * block_size + p % block_size) * num_kv_heads * d;
+    int64_t i = 0;
+#if VECTOR_DOTS
+    if (d % 8 == 0)
+        for (; i + 8 <= n; i += 8)
+            for (int64_t h = 0; h < num_heads; h++) {
+                int64_t at[8];
+                for (int t = 0; t < 8; t++) at[t] = offs[i + t] + h / group * d;
+                dots8(scores + h * stride + i, qf + h * d, k_pool, at, d, scale, is_bf16);
+            }
+#endif
+    for (; i < n; i++)
+        for (int64_t h = 0; h < num_heads; h++)
+            scores[h * stride + i] = scale * dot(qf + h * d, k_pool, offs[i] + h / group * d, d, is_bf16);
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *s = scores + h * stride, m = -INFINITY, sum = 0.f;
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
+        }
+        total[h] = sum;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t h = 0; h < num_heads; h++)
+            axpy(acc + h * d, scores[h * stride + j], v_pool, offs[j] + h / group * d, d, is_bf16);
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t j = 0; j < d; j++) {
+            const float o = acc[h * d + j] / total[h];
+            if (is_bf16) ((uint16_t *)out)[row * hd + h * d + j] = f32_to_bf16(o);
+            else ((float *)out)[row * hd + h * d + j] = o;
+        }
+    free(qf);
+    return 0;
+}
+
+/* Requests seqs[0..num] (indices into block_tables / context_lens), each with its query row rows[i]. Returns 0,
+ * or -1 when scratch memory ran out (the caller raises MemoryError). */
+int paged_decode_attention(const void *q, void *out, const void *k_pool, const void *v_pool,
+                           const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                           const int64_t *seqs, const int64_t *rows, int64_t num, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           int is_bf16, int num_threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t i = 0; i < num; i++) {
+        const int64_t s = seqs[i];
+        failed |= attend_one(q, out, k_pool, v_pool, block_tables + s * table_stride, context_lens[s], rows[i],
+                             num_heads, num_kv_heads, head_dim, block_size, scale, window, is_bf16) != 0;
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,102 @@
+"""ladle's C kernels for CPU (ladle/kernels/cpu/*.c), compiled on first use and loaded through ctypes.
+
+Where torch has no fast path for a shape (decode attention reads a few rows against a long paged context:
+gathering it and calling a matmul or the flash kernel runs at a fraction of memory bandwidth), a small C loop
+does, as vLLM's CPU backend does in its own C++. The library is built with the system C compiler for this
+machine (-march=native) into a cache keyed by the source, compiler and CPU, so only the first start pays for
+it (about a second). It links OpenMP by soname, so inside a process where torch has loaded its libgomp the
+kernels run on torch's thread team (and the binding ladle.engine.threads gave it).
+
+Location: $LADLE_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/ladle/kernels (~/.cache/ladle/kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = ("decode_attention.c", "skinny_linear.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message says why (the torch path runs instead)."""
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("LADLE_KERNEL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladle" / "kernels"
+
+
+def _cpu_signature() -> bytes:
+    """What -march=native compiles for: the CPU's model name and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+
+
+def build(compiler: str | None = None) -> Path:
+    """The compiled library's path, building it if this source, compiler and CPU have none cached yet."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (install gcc, or set CC)")
+    src_dir = Path(__file__).resolve().parent / "cpu"
+    sources = [src_dir / name for name in SOURCES]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from None
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + version.encode()
+                         + _cpu_signature()).hexdigest()[:20]
+    target = cache_dir() / f"ladle_cpu_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place, so concurrent starts never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        out = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True,
+                             timeout=300)
+        if out.returncode != 0:
+            raise KernelUnavailable(f"compiling the CPU kernels failed: {out.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CpuKernels:
+    """The loaded library, its functions typed."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KernelUnavailable(f"cannot load {path}: {e}") from None
+        self.path = path
+        fn = self.lib.paged_decode_attention
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                       ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self.paged_decode_attention = fn
+        fn = self.lib.skinny_linear
+        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self.skinny_linear = fn
+
+
+def load() -> CpuKernels:
+    """Build (if needed) and load the kernels; raises KernelUnavailable saying why not."""
+    return CpuKernels(build())

@@ -1,0 +1,109 @@
+"""The CPU attention backend: decode rows through ladle's C kernel, checked against the torch reference on
+steps that mix prefill chunks and decodes, scattered block tables, windows, GQA, bf16 and odd head sizes;
+and how the backend is chosen (explicit, derived, refused)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ladle.attention import torch_ref
+from ladle.attention.backends import CpuAttention, TorchAttention, resolve_backend, select_backend
+from ladle.attention.metadata import AttentionMetadata
+from ladle.kernels.cpu_kernels import build, load
+from ladle.kv_cache.specs import AttentionSpec
+
+BLOCK = 16
+
+
+def make_step(query_lens: list[int], contexts: list[int], heads: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype, window: int | None, seed: int = 0) -> tuple:
+    """A step whose request i has contexts[i] tokens after it, query_lens[i] of them new, blocks scattered."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(widths) + 7
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(contexts), max(widths), dtype=torch.int32)
+    used = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = order[used : used + w]
+        used += w
+    slots = []
+    for i, (lq, ctx) in enumerate(zip(query_lens, contexts)):
+        slots += [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(ctx - lq, ctx)]
+    cu = [0]
+    for lq in query_lens:
+        cu.append(cu[-1] + lq)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        context_lens=torch.tensor(contexts, dtype=torch.int32), block_tables=tables, query_lens=tuple(query_lens),
+        context_lens_host=tuple(contexts), block_size=BLOCK, sliding_window=window)
+    t = sum(query_lens)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, attn
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuAttention:
+    return CpuAttention(load())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 40)])
+def test_matches_torch_reference(backend: CpuAttention, dtype: torch.dtype, window: int | None, heads: int,
+                                 kv_heads: int, head_dim: int) -> None:
+    # Decodes at contexts below, at and across the 8-row vector width and a block edge, beside two prefill
+    # chunks (one continuing a request), so the split between the C kernel and torch is exercised too.
+    query_lens = [1, 1, 5, 1, 1, 1, 20]
+    contexts = [1, 7, 5, 16, 17, 203, 60]
+    step = make_step(query_lens, contexts, heads, kv_heads, head_dim, dtype, window)
+    caches = (step[3].clone(), step[4].clone())
+    want = torch_ref.paged_attention(*step, scale=head_dim**-0.5)
+    got = backend(step[0], step[1], step[2], *caches, step[5], head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # The new tokens' K and V were written to the pool, as the reference writes them.
+    assert torch.equal(caches[0], step[3]) and torch.equal(caches[1], step[4])
+
+
+def test_threads_do_not_change_the_result(backend: CpuAttention) -> None:
+    step = make_step([1] * 6, [300, 31, 64, 1, 129, 90], 8, 4, 64, torch.float32, None, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend(*step, 0.125)
+        torch.set_num_threads(2)
+        two = backend(*step, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_build_is_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LADLE_KERNEL_CACHE_DIR", str(tmp_path))
+    first = build()
+    stamp = first.stat().st_mtime_ns
+    assert build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_backend_choice(tmp_path, monkeypatch) -> None:
+    cpu, spec = torch.device("cpu"), AttentionSpec(4, 64, torch.float32)
+    assert resolve_backend(cpu, None)[0] == "cpu"
+    assert isinstance(select_backend(cpu, spec, "cpu"), CpuAttention)
+    assert isinstance(select_backend(cpu, spec, "torch"), TorchAttention)
+    # DeepSeek-V4's shared-KV groups keep the torch path.
+    assert isinstance(select_backend(cpu, AttentionSpec(1, 64, torch.float32, kv_shared=True), "cpu"), TorchAttention)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_backend(cpu, "triton")
+    # Without a compiler (and nothing cached), auto falls back to torch and says why; an explicit cpu is refused.
+    monkeypatch.setenv("LADLE_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    name, why = resolve_backend(cpu, None)
+    assert name == "torch" and "no-such-cc" in why
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        resolve_backend(cpu, "cpu")
