@@ -103,6 +103,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config)
+    if hasattr(model, "cpu_kernels") and device.type == "cpu":
+        prov.put("cpu_kernels", *model.cpu_kernels)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "

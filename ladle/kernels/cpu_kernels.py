@@ -18,9 +18,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-SOURCES = ("decode_attention.c", "skinny_linear.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+SOURCES = ("decode_attention.c", "skinny_linear.c", "norm_rope.c")
+# No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -86,15 +88,22 @@ class CpuKernels:
         except OSError as e:
             raise KernelUnavailable(f"cannot load {path}: {e}") from None
         self.path = path
-        fn = self.lib.paged_decode_attention
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                       ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self.paged_decode_attention = fn
-        fn = self.lib.skinny_linear
-        fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self.skinny_linear = fn
+        f32, flag, status = ctypes.c_float, ctypes.c_int, ctypes.c_int  # status: 0, or -1 out of memory
+        self.paged_decode_attention = self._typed(
+            "paged_decode_attention",
+            [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, f32, _i64, flag, flag],
+            status)
+        self.skinny_linear = self._typed("skinny_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag],
+                                         status)
+        self.rms_norm = self._typed("rms_norm", [_ptr, _i64, _ptr, _ptr, _i64, _i64, f32, flag, flag])
+        self.add_rms_norm = self._typed("add_rms_norm", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, f32, flag, flag])
+        self.norm_rope = self._typed("norm_rope",
+                                     [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, f32, flag, flag])
+
+    def _typed(self, name: str, argtypes: list, restype: type | None = None) -> Callable[..., int | None]:
+        fn = getattr(self.lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        return fn
 
 
 def load() -> CpuKernels:

@@ -1,6 +1,14 @@
-"""Linear layers on CPU with weights pre-packed for oneDNN, as vLLM's CPU backend runs them (its onednn_mm).
+"""Linear layers on CPU, laid out once after loading (DecoderForCausalLM.lay_out_for_cpu).
 
-F.linear with a row-major weight is slow for the few rows of a decode step (the BLAS call lays the weight out
+With ladle's C kernels (ladle.kernels.cpu_kernels), a CpuLinear runs the few rows of a decode step through
+skinny_linear, which reads each weight row once at close to memory bandwidth, and larger inputs (prefill chunks)
+through F.linear; the weight stays the checkpoint's own row-major tensor, so nothing is copied. Measured on one
+thread, every linear of qwen3-512 once per step, weights streamed (benchmarks/cpu_linear.py): 4 rows 12.7 ms
+against 19.7 ms oneDNN-packed and 36.3 ms F.linear; bf16 8.9 ms against 35.0 ms F.linear (this CPU has no bf16
+matmul instructions, so torch's bf16 path is slow at every size, and the kernel takes bf16 inputs of any size).
+
+Without a C compiler, the weights are pre-packed for oneDNN instead, as vLLM's CPU backend runs them (its
+onednn_mm). F.linear with a row-major weight is slow for the few rows of a decode step (the BLAS call lays the weight out
 for its kernel on every call; packing once at load time does that work once). Measured here on one thread, fp32,
 8 rows (benchmarks/cpu_linear.py): 512 -> 3072 takes 0.45 ms packed against 0.74 ms, and the 512 -> 32000 head
 10.3 ms against 18.9 ms; a whole qwen3-512 step's linears at 4 rows, weights streamed from memory, 22 ms against
@@ -10,9 +18,16 @@ by row count.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ladle.kernels.cpu_kernels import CpuKernels
+
+# Above this many rows F.linear (MKL) is as fast as skinny_linear in fp32 (benchmarks/cpu_linear.py).
+SKINNY_MAX_ROWS = 32
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -70,3 +85,46 @@ class CpuHead(nn.Module):
         if hidden.shape[0] == 1 and self.column_major is not None:
             return F.linear(hidden, self.column_major)
         return packed_linear(hidden, self.packed, None)
+
+
+class CpuLinear(nn.Module):
+    """y = x W^T + b on CPU: skinny_linear for up to max_rows rows, F.linear above. The weight is the given
+    tensor itself (a tied head passes the embedding's), registered as this module's parameter."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CpuKernels) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.kernels = kernels
+        # bf16 goes through the kernel at any size where oneDNN cannot pack it: torch's own path is slower.
+        native_bf16 = weight.dtype != torch.bfloat16 or pack(weight[:16]) is not None
+        self.max_rows = SKINNY_MAX_ROWS if native_bf16 else sys.maxsize
+
+    def describe(self) -> str:
+        rows = "any number of rows" if self.max_rows == sys.maxsize else f"up to {self.max_rows} rows"
+        return f"linears through skinny_linear (C) for {rows}, F.linear above"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if not 0 < rows <= self.max_rows or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        failed = self.kernels.skinny_linear(
+            x2.data_ptr(), self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+            rows, self.out_features, self.in_features, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"skinny_linear could not allocate {rows} x {self.in_features} floats")
+        return y
+
+
+def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
+    """Replace every nn.Linear under root by a CpuLinear over the same weight; returns how many."""
+    replaced = 0
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+                setattr(parent, name, CpuLinear(child.weight, child.bias, kernels))
+                replaced += 1
+    return replaced

@@ -9,7 +9,9 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
-from ladle.models.cpu_linear import CpuHead, pack, pack_linears
+from ladle.kernels.cpu_kernels import KernelUnavailable
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
+from ladle.models.cpu_linear import CpuHead, CpuLinear, pack, pack_linears, use_cpu_linears
 from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
@@ -106,7 +108,9 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.cpu_head: CpuHead | None = None
+        self.cpu_head: CpuHead | CpuLinear | None = None
+        # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
+        self.cpu_kernels: tuple[str, str] = ("torch", "F.linear")
 
     def forward(
         self,
@@ -126,12 +130,26 @@ class DecoderForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def lay_out_for_cpu(self) -> None:
-        """After loading, on CPU: every linear layer's weight packed for oneDNN, and the head in its own
-        layouts (ladle.models.cpu_linear); a no-op where oneDNN cannot pack this dtype here. A tied head keeps
-        the embedding as it is (it gathers rows), so the head's layouts are extra memory, counted as weights."""
+        """After loading, on CPU: every linear layer (the head too) as a CpuLinear over its own weight, or, where
+        ladle's C kernels cannot be built, packed for oneDNN with the head in its own layouts
+        (ladle.models.cpu_linear; a no-op where oneDNN cannot pack this dtype here). A tied head keeps the
+        embedding as it is (it gathers rows), so packed head layouts are extra memory, counted as weights."""
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        try:
+            kernels = load_cpu_kernels()
+        except KernelUnavailable as e:
+            self._pack_for_onednn(head, str(e))
+            return
+        use_cpu_linears(self.model, kernels)
+        self.cpu_head = CpuLinear(head, None, kernels)
+        if self.lm_head is not None:  # the untied head lives in cpu_head, which stands in for it
+            self.lm_head = self.cpu_head
+        self.cpu_kernels = ("ladle-c", f"{self.cpu_head.describe()}; RMSNorm and rope in C too (CpuOps)")
+
+    def _pack_for_onednn(self, head: torch.Tensor, why: str) -> None:
         if pack_linears(self.model) == 0:
             return
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.cpu_kernels = ("onednn", f"weights packed for oneDNN; ladle's C kernels are unavailable here ({why})")
         packed = pack(head)
         if packed is not None:
             self.cpu_head = CpuHead(head, packed)

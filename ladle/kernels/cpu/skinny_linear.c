@@ -57,7 +57,12 @@ static inline void tile2x4(float out[8], const float *xs, int64_t k, const void 
                            int is_bf16) {
     __m256 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t size = is_bf16 ? 2 : 4;
+    const char *ahead = (const char *)w + (w1 + k) * size; /* the next tile's two rows, adjacent in memory */
     for (int64_t c = 0; c < k; c += 8) {
+        /* One tile's loads keep too little of memory's latency in flight for the hardware prefetcher alone:
+         * ask for the next tile's rows now, a cache line (16 values of either row pair's 2k) per step. */
+        _mm_prefetch(ahead + c * 2 * size, _MM_HINT_T0);
         const __m256 a = load8(w, w0 + c, is_bf16), b = load8(w, w1 + c, is_bf16);
         for (int i = 0; i < 4; i++) {
             const __m256 xi = _mm256_loadu_ps(xs + i * k + c);
