@@ -12,8 +12,9 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 RESULTS = Path(os.environ.get("LADLE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
@@ -129,3 +130,13 @@ def save(name: str, result: dict[str, Any], out_dir: Path = RESULTS) -> Path:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def per_call_ms(fn: Callable[[], object], seconds: float = 0.03) -> float:
+    """fn's mean time in ms over as many calls as fit in `seconds`, after one call to warm it up."""
+    fn()
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n * 1000

@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine  # noqa: E402
+from common import command, machine, per_call_ms  # noqa: E402
 
 from ladle.attention import torch_ref  # noqa: E402
 from ladle.attention.cpu_attention import CpuAttention  # noqa: E402
@@ -39,15 +37,6 @@ def decode_step(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     pool = [torch.randn(num_blocks, BLOCK, kv_heads, head_dim).to(dtype) for _ in range(2)]
     new = [torch.randn(batch, n, head_dim).to(dtype) for n in (heads, kv_heads, kv_heads)]
     return new[0], new[1], new[2], pool[0], pool[1], attn
-
-
-def per_call_ms(fn: Callable[[], object], seconds: float) -> float:
-    fn()
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n * 1000
 
 
 def main() -> None:

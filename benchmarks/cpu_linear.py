@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -20,21 +19,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, command, machine  # noqa: E402
+from common import MODELS, command, machine, per_call_ms  # noqa: E402
 
 from ladle.kernels.cpu_kernels import load  # noqa: E402
 from ladle.models.cpu_linear import CpuLinear, pack, packed_linear  # noqa: E402
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def per_call_ms(fn: Callable[[], object], seconds: float = 0.03) -> float:
-    fn()
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n * 1000
 
 
 def variants(weight: torch.Tensor) -> list[Linear | None]:

@@ -8,6 +8,7 @@ prefix_cache.md, written by their own scripts, are included as they are.
 """
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -248,8 +249,6 @@ def gpu_section() -> list[str]:
                         "(see the history in `benchmarks/GPU.md`); the numbers will be placed here, with the "
                         "HF peer from the same run, by copying `$OUT/results.json` to "
                         "`benchmarks/results/gpu_h200.json` and rerunning this report.", ""]
-    import sys
-
     sys.path.insert(0, str(HERE))
     from gpu_table import table as gpu_table  # the device script's own summary, so both always agree
 

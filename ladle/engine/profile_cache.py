@@ -20,16 +20,14 @@ from typing import Any
 
 import torch
 
+from ladle import paths
 from ladle.engine.profiling import ProfilePoint
 
 logger = logging.getLogger("ladle")
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("LADLE_PROFILE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladle" / "profiles"
+    return paths.cache_dir("profiles", "LADLE_PROFILE_CACHE_DIR")
 
 
 def _source_hash() -> str:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 import time
@@ -22,8 +21,9 @@ GENERATE_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-new-token
 
 
 def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "ladle" / "demo-model"
+    from ladle.paths import cache_dir
+
+    return cache_dir("demo-model")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ladle.paths import cache_dir
+
 SOURCES = ("decode_attention.c", "skinny_linear.c", "norm_rope.c")
 # No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -29,13 +31,6 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class KernelUnavailable(RuntimeError):
     """The C kernels cannot be built or loaded here; the message says why (the torch path runs instead)."""
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("LADLE_KERNEL_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ladle" / "kernels"
 
 
 def _cpu_signature() -> bytes:
@@ -54,13 +49,14 @@ def build(compiler: str | None = None) -> Path:
         raise KernelUnavailable("no C compiler found (install gcc, or set CC)")
     src_dir = Path(__file__).resolve().parent / "cpu"
     sources = [src_dir / name for name in SOURCES]
+    headers = sorted(src_dir.glob("*.h"))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + version.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers) + " ".join(FLAGS).encode() + version.encode()
                          + _cpu_signature()).hexdigest()[:20]
-    target = cache_dir() / f"ladle_cpu_{key}.so"
+    target = cache_dir("kernels", "LADLE_KERNEL_CACHE_DIR") / f"ladle_cpu_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -4,45 +4,16 @@
  * ctypes. The OpenMP team is torch's own: the library names libgomp.so.1, which torch has already loaded.
  *
  * Layouts (all contiguous): q, out [T, H, D]; pools [num_blocks, block_size, KVH, D]; block_tables [B, stride]
- * int32; context_lens [B] int32 (tokens in the cache, this step's included). One work item per request. Scores are exact fp32 (no online rescaling): one
- * pass computes them, one takes the max and the exponentials, one accumulates V.
+ * int32; context_lens [B] int32 (tokens in the cache, this step's included). One work item per request. Scores
+ * are exact fp32 (no online rescaling): one pass computes them, one takes the max and the exponentials, one
+ * accumulates V.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "common.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                              /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline __m256 load8(const void *base, int64_t at, int is_bf16) {
-    if (!is_bf16) return _mm256_loadu_ps((const float *)base + at);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* Eight vectors -> one vector of their eight horizontal sums. */
-static inline __m256 sum8x8(const __m256 a[8]) {
-    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
+#if LADLE_AVX2
 /* out[t] = scale * q . row t, for 8 rows at offs[0..8] (elements) of base; d a multiple of 8. */
 static inline void dots8(float *out, const float *q, const void *base, const int64_t *offs, int64_t d, float scale,
                          int is_bf16) {
@@ -55,25 +26,18 @@ static inline void dots8(float *out, const float *q, const void *base, const int
     _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
 }
 
-#define VECTOR_DOTS 1
-#else
-#define VECTOR_DOTS 0
 #endif
-
-static inline float elem(const void *base, int64_t at, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
 
 static inline float dot(const float *q, const void *base, int64_t at, int64_t d, int is_bf16) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; i++) acc += q[i] * elem(base, at + i, is_bf16);
+    for (int64_t i = 0; i < d; i++) acc += q[i] * get(base, at + i, is_bf16);
     return acc;
 }
 
 static inline void axpy(float *y, float a, const void *base, int64_t at, int64_t d, int is_bf16) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; i++) y[i] += a * elem(base, at + i, is_bf16);
+    for (int64_t i = 0; i < d; i++) y[i] += a * get(base, at + i, is_bf16);
 }
 
 /* One request, every head: each token's K (then V) row for all kv heads is one contiguous run, so the pool
@@ -89,12 +53,12 @@ static int attend_one(const void *q, void *out, const void *k_pool, const void *
     float *acc = qf + hd, *total = acc + hd, *scores = total + num_heads; /* scores: [H][n + 8], 8 spare */
     int64_t *offs = (int64_t *)(scores + num_heads * (n + 8));
     const int64_t stride = n + 8;
-    for (int64_t i = 0; i < hd; i++) qf[i] = elem(q, row * hd + i, is_bf16);
+    for (int64_t i = 0; i < hd; i++) qf[i] = get(q, row * hd + i, is_bf16);
     memset(acc, 0, sizeof(float) * (size_t)hd);
     for (int64_t p = lo; p < ctx; p++)
         offs[p - lo] = ((int64_t)table[p / block_size] * block_size + p % block_size) * num_kv_heads * d;
     int64_t i = 0;
-#if VECTOR_DOTS
+#if LADLE_AVX2
     if (d % 8 == 0)
         for (; i + 8 <= n; i += 8)
             for (int64_t h = 0; h < num_heads; h++) {
@@ -119,11 +83,7 @@ static int attend_one(const void *q, void *out, const void *k_pool, const void *
         for (int64_t h = 0; h < num_heads; h++)
             axpy(acc + h * d, scores[h * stride + j], v_pool, offs[j] + h / group * d, d, is_bf16);
     for (int64_t h = 0; h < num_heads; h++)
-        for (int64_t j = 0; j < d; j++) {
-            const float o = acc[h * d + j] / total[h];
-            if (is_bf16) ((uint16_t *)out)[row * hd + h * d + j] = f32_to_bf16(o);
-            else ((float *)out)[row * hd + h * d + j] = o;
-        }
+        for (int64_t j = 0; j < d; j++) put(out, row * hd + h * d + j, acc[h * d + j] / total[h], is_bf16);
     free(qf);
     return 0;
 }

@@ -10,32 +10,8 @@
  * stride (q and k are views into the fused qkv projection's output); outputs are contiguous.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float get(const void *base, int64_t at, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
-
-static inline void put(void *base, int64_t at, float v, int is_bf16) {
-    if (is_bf16) ((uint16_t *)base)[at] = f32_to_bf16(v);
-    else ((float *)base)[at] = v;
-}
+#include "common.h"
 
 /* v as the dtype holds it */
 static inline float rnd(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }

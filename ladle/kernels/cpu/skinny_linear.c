@@ -9,49 +9,11 @@
  *
  * x [M, K], y [M, N]: both of the weight's dtype; bias [N] of that dtype or NULL. Work is split over W's rows.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "common.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float load1(const void *base, int64_t at, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
-
-static inline void store1(void *base, int64_t at, float v, int is_bf16) {
-    if (is_bf16) ((uint16_t *)base)[at] = f32_to_bf16(v);
-    else ((float *)base)[at] = v;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline __m256 load8(const void *base, int64_t at, int is_bf16) {
-    if (!is_bf16) return _mm256_loadu_ps((const float *)base + at);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline __m256 sum8x8(const __m256 a[8]) {
-    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
+#if LADLE_AVX2
 /* out[r * 4 + i] = x row i . W row r, for W rows w0, w1 and the 4 fp32 rows of xs (stride k). */
 static inline void tile2x4(float out[8], const float *xs, int64_t k, const void *w, int64_t w0, int64_t w1,
                            int is_bf16) {
@@ -72,9 +34,6 @@ static inline void tile2x4(float out[8], const float *xs, int64_t k, const void 
     }
     _mm256_storeu_ps(out, sum8x8(acc));
 }
-#define VECTOR_TILES 1
-#else
-#define VECTOR_TILES 0
 #endif
 
 static inline void tile_scalar(float out[8], const float *xs, int64_t k, const void *w, int64_t w0, int64_t w1,
@@ -82,14 +41,14 @@ static inline void tile_scalar(float out[8], const float *xs, int64_t k, const v
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < 4; i++) {
             float acc = 0.f;
-            for (int64_t c = 0; c < k; c++) acc += xs[i * k + c] * load1(w, (r ? w1 : w0) + c, is_bf16);
+            for (int64_t c = 0; c < k; c++) acc += xs[i * k + c] * get(w, (r ? w1 : w0) + c, is_bf16);
             out[r * 4 + i] = acc;
         }
 }
 
 static inline void tile(float out[8], const float *xs, int64_t k, const void *w, int64_t w0, int64_t w1,
                         int is_bf16) {
-#if VECTOR_TILES
+#if LADLE_AVX2
     if (k % 8 == 0) {
         tile2x4(out, xs, k, w, w0, w1, is_bf16);
         return;
@@ -104,7 +63,7 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
     const int64_t m4 = (m + 3) / 4 * 4;
     float *xs = calloc((size_t)(m4 * k), sizeof(float)); /* x widened to fp32, rows padded to a multiple of 4 */
     if (xs == NULL) return -1;
-    for (int64_t i = 0; i < m * k; i++) xs[i] = load1(x, i, is_bf16);
+    for (int64_t i = 0; i < m * k; i++) xs[i] = get(x, i, is_bf16);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < (n + 1) / 2; r++) {
         const int64_t r0 = 2 * r, r1 = r0 + 1 < n ? r0 + 1 : r0; /* an odd last row pairs with itself */
@@ -112,8 +71,8 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
         for (int64_t i0 = 0; i0 < m4; i0 += 4) {
             tile(out, xs + i0 * k, k, w, r0 * k, r1 * k, is_bf16);
             for (int64_t t = 0; t < 2 && r0 + t < n; t++) {
-                const float b = bias == NULL ? 0.f : load1(bias, r0 + t, is_bf16);
-                for (int64_t i = i0; i < i0 + 4 && i < m; i++) store1(y, i * n + r0 + t, out[t * 4 + i - i0] + b, is_bf16);
+                const float b = bias == NULL ? 0.f : get(bias, r0 + t, is_bf16);
+                for (int64_t i = i0; i < i0 + 4 && i < m; i++) put(y, i * n + r0 + t, out[t * 4 + i - i0] + b, is_bf16);
             }
         }
     }
