@@ -69,7 +69,7 @@ def main() -> None:
     lines = ["## CPU linear layers: F.linear, oneDNN-packed, ladle's skinny_linear", "", f"Reproduce: `{command()}`",
              "", f"`{args.model_name}` shapes, 1 thread, ms per call (median of {args.repeats} interleaved repeats); "
              f"machine: {machine()['cpus']} CPUs, torch {machine()['torch']}. The last column below 1 is ladle's "
-             "kernel faster than the better of the other two. CpuLinear uses the kernel up to 32 rows in float32 "
+             "kernel faster than the better of the other two. CpuLinear uses the kernel up to 24 rows in float32 "
              "(for any row count in bfloat16 where oneDNN cannot pack it) and F.linear above.", "",
              "float32, one weight called again and again (in cache):", "",
              "| layer | in x out | rows " + head, "|---|---|---:|---:|---:|---:|---:|"]

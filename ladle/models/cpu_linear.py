@@ -3,18 +3,15 @@
 With ladle's C kernels (ladle.kernels.cpu_kernels), a CpuLinear runs the few rows of a decode step through
 skinny_linear, which reads each weight row once at close to memory bandwidth, and larger inputs (prefill chunks)
 through F.linear; the weight stays the checkpoint's own row-major tensor, so nothing is copied. Measured on one
-thread, every linear of qwen3-512 once per step, weights streamed (benchmarks/cpu_linear.py): 4 rows 12.7 ms
-against 19.7 ms oneDNN-packed and 36.3 ms F.linear; bf16 8.9 ms against 35.0 ms F.linear (this CPU has no bf16
-matmul instructions, so torch's bf16 path is slow at every size, and the kernel takes bf16 inputs of any size).
+thread, every linear of qwen3-512 once per step, weights streamed (benchmarks/results/cpu_linear.md): 4 rows
+16.6 ms against 21.8 ms oneDNN-packed and 37.2 ms F.linear; bf16 9.1 ms against 35.4 ms F.linear (this CPU has
+no bf16 matmul instructions, so torch's bf16 path is slow at every size, and the kernel takes bf16 inputs of any
+size: 452 ms against 2,221 ms at 256 rows).
 
 Without a C compiler, the weights are pre-packed for oneDNN instead, as vLLM's CPU backend runs them (its
-onednn_mm). F.linear with a row-major weight is slow for the few rows of a decode step (the BLAS call lays the weight out
-for its kernel on every call; packing once at load time does that work once). Measured here on one thread, fp32,
-8 rows (benchmarks/cpu_linear.py): 512 -> 3072 takes 0.45 ms packed against 0.74 ms, and the 512 -> 32000 head
-10.3 ms against 18.9 ms; a whole qwen3-512 step's linears at 4 rows, weights streamed from memory, 22 ms against
-38 ms; long prefills take about the same either way. One row is the exception for a wide head: read
-column-major it is a streaming GEMV (3.0 ms against 6.4 ms packed), so the head keeps that layout too and picks
-by row count.
+onednn_mm): packing once at load time does the layout work F.linear's BLAS call repeats on every call (21.8
+against 37.2 ms at 4 rows, same table). The head then also keeps a column-major copy, which one row reads as a
+streaming GEMV (3.0 ms against 6.4 ms packed, when the fallback was the default path).
 """
 from __future__ import annotations
 
@@ -26,8 +23,9 @@ from torch import nn
 
 from ladle.kernels.cpu_kernels import CpuKernels
 
-# Above this many rows F.linear (MKL) is as fast as skinny_linear in fp32 (benchmarks/cpu_linear.py).
-SKINNY_MAX_ROWS = 32
+# fp32, every linear of qwen3-512 once (benchmarks/cpu_linear.py): at 16 rows skinny_linear takes 37 ms and
+# F.linear 46, at 32 rows 74 and 68; the crossover lies between.
+SKINNY_MAX_ROWS = 24
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
