@@ -2,9 +2,9 @@
 many query rows), decode rows through ladle's C kernel, which reads K and V in place from the block pool.
 
 For one query row torch has no fast path: gathering the context and calling the flash kernel (or a batched
-matmul) runs at a fraction of memory bandwidth, and builds a dozen small tensors per layer. Measured here
-(benchmarks/cpu_decode_attention.py, one thread, 8 decodes, 8 heads over 4 kv heads x 64): see
-BENCHMARKS.md.
+matmul) runs at a fraction of memory bandwidth, and builds a dozen small tensors per layer. One layer, 8 decodes
+at 512 tokens, 8 heads over 4 kv heads x 64, one thread (benchmarks/results/cpu_decode_attention.md): 2.2 ms in
+torch, 0.63 ms in C (3.5x; bf16 7.6 ms against 0.63, 12x).
 """
 from __future__ import annotations
 
