@@ -140,3 +140,11 @@ def per_call_ms(fn: Callable[[], object], seconds: float = 0.03) -> float:
         fn()
         n += 1
     return (time.perf_counter() - start) / n * 1000
+
+
+def write_markdown(lines: list[str], out: str | None) -> None:
+    """A markdown result, written to `out` when given (each row was printed as it was measured)."""
+    text = "\n".join(lines) + "\n"
+    if out:
+        Path(out).write_text(text)
+        print(f"wrote {out}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine, per_call_ms  # noqa: E402
+from common import command, machine, per_call_ms, write_markdown  # noqa: E402
 
 from ladle.attention import torch_ref  # noqa: E402
 from ladle.attention.cpu_attention import CpuAttention  # noqa: E402
@@ -70,10 +70,7 @@ def main() -> None:
                 lines.append(f"| {str(dtype).removeprefix('torch.')} | {batch} | {context} | {ref:.3f} | {c:.3f} | "
                              f"{ref / c:.1f}x |")
                 print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+    write_markdown(lines, args.out)
 
 
 if __name__ == "__main__":

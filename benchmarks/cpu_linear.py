@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, command, machine, per_call_ms  # noqa: E402
+from common import MODELS, command, machine, per_call_ms, write_markdown  # noqa: E402
 
 from ladle.kernels.cpu_kernels import load  # noqa: E402
 from ladle.models.cpu_linear import CpuLinear, pack, packed_linear  # noqa: E402
@@ -96,10 +96,7 @@ def main() -> None:
 
             lines.append(row([str(rows)], medians(fns, step, args.repeats, 0.2)))
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+    write_markdown(lines, args.out)
 
 
 if __name__ == "__main__":

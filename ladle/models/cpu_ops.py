@@ -13,7 +13,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_DIM = 16384  # norm_rope.c's MAX_DIM
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor | None:
+def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] with unit stride along the last dim (a view where possible)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
