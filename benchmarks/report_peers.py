@@ -36,8 +36,8 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     """Both servers, both clients, every rate: TTFT and ITL p50 / p99 side by side, and their ratios."""
     lines = ["## 7b. Serving beside vLLM (CPU build)", "",
              f"`ladle serve` and `vllm serve` (vLLM {r.get('vllm_version', '')}) on `{r['model']}`, {r['dtype']}, "
-             f"max_model_len {r['max_model_len']}, each with its defaults otherwise, one after the other. At each "
-             f"Poisson rate (about {r['seconds']:.0f} s of arrivals) two clients take turns: vLLM's own "
+             f"max_model_len {r['max_model_len']}, each with its defaults otherwise, both up and taking turns (one loaded at a time, "
+             f"the order flipping from cell to cell so drift falls on both). At each Poisson rate (about {r['seconds']:.0f} s of arrivals) two clients take turns: vLLM's own "
              f"`vllm bench serve` (random dataset) and `ladle bench serve`'s client (random token ids); prompts "
              f"{r['input_len']} tokens, outputs {r['output_len']} (greedy, ignore_eos, streaming). Startup is "
              "launch to a healthy /health.", ""]
@@ -47,7 +47,7 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
               "Threads: " + "; ".join(f"{e}: " + " / ".join(" ".join(x.split()) for x in s["thread_settings"][:3])
                                          for e, s in servers.items()),
               ""]
-    pts = {(p["server"], p["client"], p["rate"]): p for s in r["servers"] for p in s["points"]}
+    pts = {(p["server"], p["client"], p["rate"]): p for p in r["points"]}
     rows = []
     for client in ("vllm", "ladle"):
         for rate in sorted({k[2] for k in pts}):

@@ -1,5 +1,5 @@
-"""Serving latency beside vLLM: `ladle serve` and `vllm serve` on the same checkpoint and dtype, one after the
-other on this machine, each measured at the same Poisson rates by two clients in turn: vLLM's own
+"""Serving latency beside vLLM: `ladle serve` and `vllm serve` on the same checkpoint and dtype, both up on this
+machine and taking turns (never loaded at once), each measured at the same Poisson rates by two clients in turn: vLLM's own
 `vllm bench serve` (random dataset, text prompts) and `ladle bench serve`'s client (random token-id prompts),
 both streaming /v1/completions with greedy sampling and ignore_eos. Each server runs with its defaults apart
 from the shared dtype, max_model_len and seed; its startup (launch to a healthy /health) is reported too.
@@ -86,38 +86,51 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def measure_server(engine: str, args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> dict[str, Any]:
-    port = free_port()
-    python = sys.executable if engine == "ladle" else args.vllm_python
-    cmd = server_command(engine, python, model, port, args.dtype, args.max_model_len)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
-    log = tmp / f"{engine}_server.log"
-    print("starting:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+class Server:
+    """One server process under test: its command, port, log and launch-to-healthy time."""
+
+    def __init__(self, engine: str, args: argparse.Namespace, model: str, tmp: Path) -> None:
+        self.engine, self.port = engine, free_port()
+        python = sys.executable if engine == "ladle" else args.vllm_python
+        self.command = server_command(engine, python, model, self.port, args.dtype, args.max_model_len)
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
+        self.log = tmp / f"{engine}_server.log"
+        print("starting:", " ".join(self.command), flush=True)
+        self.proc = subprocess.Popen(self.command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.startup_s = wait_healthy(self.port, self.proc, timeout_s=900)
+        print(f"{engine} healthy after {self.startup_s:.1f} s", flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("num_threads", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
+        threads = [line.strip() for line in self.log.read_text().splitlines() if any(k in line for k in keys)]
+        return {"engine": self.engine, "command": " ".join(self.command), "startup_s": self.startup_s,
+                "thread_settings": threads}
+
+
+def measure(servers: list[Server], args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> list[dict]:
+    """Every (rate, client) cell on every server back to back, the server order flipping from cell to cell, so
+    the machine's drift over the run falls on both servers alike."""
+    for server in servers:
+        ladle_client(server.port, model, float("inf"), 2, (32, 64), (4, 4), vocab, seed=-1)  # warm-up
     points: list[dict[str, Any]] = []
-    try:
-        startup = wait_healthy(port, proc, timeout_s=900)
-        print(f"{engine} healthy after {startup:.1f} s", flush=True)
-        ladle_client(port, model, float("inf"), 2, (32, 64), (4, 4), vocab, seed=-1)  # warm-up, not measured
-        for i, rate in enumerate(args.rates):
-            n = max(args.min_prompts, round(rate * args.seconds))
-            lens = (tuple(args.input_len), tuple(args.output_len))
-            clients = ("vllm", "ladle") if i % 2 == 0 else ("ladle", "vllm")  # alternate who goes first
-            for client in clients:
+    lens = (tuple(args.input_len), tuple(args.output_len))
+    cell = 0
+    for i, rate in enumerate(args.rates):
+        n = max(args.min_prompts, round(rate * args.seconds))
+        for client in ("vllm", "ladle") if i % 2 == 0 else ("ladle", "vllm"):
+            for server in servers if cell % 2 == 0 else servers[::-1]:
                 if client == "vllm":
-                    r = vllm_client(args.vllm_python, port, model, rate, n, *lens, seed=100 + i, result_dir=tmp)
+                    r = vllm_client(args.vllm_python, server.port, model, rate, n, *lens, seed=100 + i,
+                                    result_dir=tmp)
                 else:
-                    r = ladle_client(port, model, rate, n, *lens, vocab, seed=100 + i)
-                r.update(server=engine, client=client, rate=rate, num_prompts=n)
+                    r = ladle_client(server.port, model, rate, n, *lens, vocab, seed=100 + i)
+                r.update(server=server.engine, client=client, rate=rate, num_prompts=n)
                 points.append(r)
                 print({k: r[k] for k in ("server", "client", "rate", "completed", "failed", "ttft_ms", "itl_ms")},
                       flush=True)
-    finally:
-        stop(proc)
-    keys = ("num_threads", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
-    threads = [line.strip() for line in log.read_text().splitlines() if any(k in line for k in keys)]
-    return {"engine": engine, "command": " ".join(cmd), "startup_s": startup, "points": points,
-            "thread_settings": threads}
+            cell += 1
+    return points
 
 
 def main() -> None:
@@ -132,19 +145,27 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--input-len", type=int, nargs=2, default=[60, 540])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 144])
-    ap.add_argument("--engines", nargs="+", default=["ladle", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["vllm", "ladle"], help="started in this order")
     ap.add_argument("--out", default="vllm_serve_side_by_side")
     args = ap.parse_args()
     model = build_model(args.model_name)
     vocab = model_facts(model)["vocab_size"]
+    servers: list[Server] = []
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [measure_server(e, args, model, vocab, Path(tmp)) for e in args.engines]
+        try:
+            for engine in args.engines:  # all up at once; an idle server blocks on its queue and costs no CPU
+                servers.append(Server(engine, args, model, Path(tmp)))
+            points = measure(servers, args, model, vocab, Path(tmp))
+        finally:
+            for server in servers:
+                stop(server.proc)
+        summaries = [s.summary() for s in servers]
     version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                              text=True).stdout.strip()
     save(args.out, {"benchmark": "vllm_serve_side_by_side", "model": args.model_name, "vllm_version": version,
                     "model_config": model_facts(model), "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "input_len": args.input_len, "output_len": args.output_len, "seconds": args.seconds,
-                    "servers": servers})
+                    "servers": summaries, "points": points})
 
 
 if __name__ == "__main__":
