@@ -30,6 +30,7 @@ from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
 from gpu_engine import decode_batch1, generate, peak, prefill_speed, prompts, set_async  # noqa: E402
 from gpu_kernels import decode_graphs, kernel_check, kernel_speed, sync  # noqa: E402
 from gpu_table import table  # noqa: E402
+from gpu_tp import tensor_parallel  # noqa: E402
 
 GiB = 2**30
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -258,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         run.section("seed_a_14b", 60, lambda: seed_a(run, s, shape14, workdir, ids))
         free(device)
         hf_peer(run, s, shape8)
+        free(device)
+        run.section("tensor_parallel", 120, lambda: tensor_parallel(device, workdir, qwen3_config(shape8, 8192),
+                                                                    small=a.dry_run))
         free(device)
         if device.type == "cuda":  # tile-tuning data: last, so it only ever takes time nothing else needed
             run.section("kernel_speed", 30, lambda: kernel_speed(device))

@@ -27,6 +27,10 @@ def table(results: dict) -> str:
             cells = [f"capture {res['capture_s']}s"] + [
                 f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "
                 f"{v['max_abs_logit_diff']:.1e})" for k, v in res.items() if isinstance(v, dict)]
+        elif name == "tensor_parallel":
+            cells = [f"greedy = TP 1: {res['greedy_identical_to_tp1']}"] + [
+                f"TP {k}: {v['output_tok_s']} tok/s, broadcast {v['broadcast_ms_per_step']} ms/step"
+                for k, v in res["throughput"].items()]
         elif name == "kernel_speed":
             cells = [f"{k} {v['ms']}ms {v['tflops']}TF {v['kv_gb_s']}GB/s" for k, v in res.items()
                      if isinstance(v, dict)]

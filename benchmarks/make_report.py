@@ -16,6 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_common import HERE, LAT, OUT, RESULTS, header, load, notes, plt, save_plot, table  # noqa: E402
+from report_parallel import tensor_parallel  # noqa: E402
 from report_peers import bf16_agreement, vllm_peer, vllm_serve_peer  # noqa: E402
 from report_scheduling import fairness  # noqa: E402
 
@@ -221,7 +222,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
     ("vllm_side_by_side", vllm_peer), ("bf16_agreement", bf16_agreement), ("bf16_agreement_chunked", bf16_agreement),
-    ("vllm_serve_side_by_side", vllm_serve_peer)]
+    ("vllm_serve_side_by_side", vllm_serve_peer), ("tensor_parallel", tensor_parallel)]
 
 
 GPU_GOALS = [

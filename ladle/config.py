@@ -54,6 +54,7 @@ class EngineArgs:
     num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
     attention_backend: str | None = None  # torch | cpu | triton; default: triton on CUDA, cpu where it builds
     reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (ladle.distributed)
     seed: int = 0
 
     @classmethod
@@ -75,7 +76,7 @@ class EngineArgs:
         directory), so a typo costs the time of an import, not of loading and profiling."""
         for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks",
                      "max_cudagraph_capture_size", "max_num_partial_prefills", "max_long_partial_prefills",
-                     "long_prefill_token_threshold", "num_threads"):
+                     "long_prefill_token_threshold", "num_threads", "tensor_parallel_size"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         positive_int("max_num_seqs", self.max_num_seqs)
@@ -194,6 +195,7 @@ class EngineConfig:
     partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
     scheduling_policy: str = "fcfs"
     attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
+    tensor_parallel_size: int = 1
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs

@@ -152,6 +152,18 @@ def assert_error_envelope(r: httpx.Response, status: int, code: str | None = Non
     return err
 
 
+async def stream_events(http: httpx.AsyncClient, body: dict, on_event: Any = None) -> list[Any]:
+    """Stream a completion; returns its SSE payloads, calling on_event(events so far) after each."""
+    events: list[Any] = []
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events += sse_events([line])
+                if on_event is not None:
+                    on_event(events)
+    return events
+
+
 async def stream_tokens(http: httpx.AsyncClient, body: dict, times: list[float],
                          first_token: list[float] | None = None) -> dict:
     """Stream a completion, appending each content chunk's arrival time; returns the last (usage) event."""

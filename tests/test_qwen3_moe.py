@@ -22,18 +22,6 @@ CONFIGS = [(b, c) for b in (1, 7, 64, 4096) for c in (None, 5, 32) if c is None 
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """3 layers: 0 and 2 sparse (8 experts, top 2, renormalised as Qwen3-30B-A3B's config.json says), 1 dense."""
-    from ladle.demo import build_checkpoint
-
-    return build_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", vocab_size=512, hidden_size=64,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                            norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
-                            max_position_embeddings=2048, seed=3)
-
-
-@pytest.fixture(scope="module")
 def hf_moe(moe_dir: str):
     from transformers import AutoModelForCausalLM
 

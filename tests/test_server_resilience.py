@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, assert_error_envelope, metric, sse_events, stream_tokens
+from server_harness import ServerProcess, assert_error_envelope, metric, sse_events, stream_events, stream_tokens
 
 MAX_TOKENS = 16
 
@@ -68,17 +68,14 @@ def test_kill_9_under_20_streams_ends_each_with_an_error_event_within_a_second(s
     ended: list[float] = []
 
     async def streamer(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list:
-        body = {"prompt": f"Tell me a long story, {i}", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-        events: list = []
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events += sse_events([line])
-                    if isinstance(events[-1], dict) and "error" in events[-1]:
-                        ended.append(time.monotonic())
-                    if len(events) >= 2:
-                        started.set()
-        return events
+        def seen(events: list) -> None:
+            if isinstance(events[-1], dict) and "error" in events[-1]:
+                ended.append(time.monotonic())
+            if len(events) >= 2:
+                started.set()
+
+        body = {"prompt": f"Tell me a long story, {i}", "max_tokens": 1500, "ignore_eos": True}
+        return await stream_events(http, body, seen)
 
     async def run() -> float:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30,

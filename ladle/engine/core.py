@@ -5,6 +5,7 @@ import atexit
 import gc
 import logging
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -12,18 +13,20 @@ from transformers import GenerationConfig
 
 from ladle.config import EngineArgs, EngineConfig
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.setup import load_and_plan
+from ladle.distributed.parallel_state import (
+    SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel, rank_device_type,
+)
+from ladle.distributed.workers import DriverRunner, WorkerGroup
+from ladle.engine.setup import build_runner, load_and_plan
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
-from ladle.attention.backends import select_backend
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
-from ladle.worker.block_table import BlockTableBuffer
-from ladle.worker.model_runner import ModelRunner, PendingStep, SampledToken, allocate_kv_caches
+from ladle.worker.model_runner import PendingStep, SampledToken
 from ladle.worker.sampler import FAILED
 
 logger = logging.getLogger("ladle")
@@ -49,9 +52,30 @@ def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def _release_group(workers: WorkerGroup) -> None:
+    workers.close()
+    close_tensor_parallel()
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
-        loaded = load_and_plan(args, explicit)
+        self.tp, self.workers = SINGLE, None
+        self._release: Callable[[], object] = lambda: None
+        if args.tensor_parallel_size > 1:
+            # Ranks 1..N-1 start now and load beside this one; load_and_plan runs on every rank at once.
+            check_no_process_group()
+            level = logging.getLevelName(logger.getEffectiveLevel())
+            self.workers = WorkerGroup(args, explicit, args.tensor_parallel_size, level)
+            # Stopped and left on shutdown(), when the engine is collected, or at interpreter exit.
+            self._release = weakref.finalize(self, _release_group, self.workers)
+        try:
+            if self.workers is not None:
+                self.tp = init_tensor_parallel(0, args.tensor_parallel_size, self.workers.store.port,
+                                               rank_device_type(args.device), self.workers.store)
+            loaded = load_and_plan(args, explicit, self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
         self.config: EngineConfig = loaded.config
         logger.info("resolved engine settings:\n%s", self.config.report())
         cfg = self.config
@@ -59,18 +83,12 @@ class EngineCore:
         self.hf_config = hf_config
         self.eos_token_ids = eos_token_ids(args.model, hf_config)
         layout = cfg.kv_layout
-        # A model with state layers keeps one state slot per running request (the plan reserved them).
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  windows=layout.windows, num_state_slots=slots, compressions=layout.compressions)
         self.scheduler = Scheduler(cfg, self.kv)
-        caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device, slots)
-        # Room for every running request, and as many again for preempted ones coming back; one per group.
-        tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
-                  for _ in layout.groups]
-        backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
-        self.runner = ModelRunner(loaded.model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
-                                  tuple(g.layers for g in layout.state_groups), layout.compressions)
+        self.runner = (build_runner(loaded.model, cfg) if self.workers is None else
+                       build_runner(loaded.model, cfg, DriverRunner, workers=self.workers))
         # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:
@@ -91,6 +109,11 @@ class EngineCore:
         atexit.register(gc.unfreeze)
         self._failed_steps_in_a_row = 0
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # a step launched before its inputs were read
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (a no-op on one device)."""
+        self._release()
+        self.tp = SINGLE
 
     @property
     def before_execute(self) -> Callable[[SchedulerOutput], None] | None:

@@ -180,17 +180,29 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
         _send_quietly(conn, ("startup_failed", str(e) if user_error else f"{type(e).__name__}: {e}", user_error))
         os._exit(1)
+    if core.workers is not None:
+        core.workers.on_death = _exit_on_rank_death
+        if core.workers.failure is not None:
+            _exit_on_rank_death(core.workers.failure)
     cfg = core.config
     conn.send(("ready", EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
                                    core.hf_config.vocab_size, cfg.table())))
     try:
         EngineLoop(core, conn, max_queue_len).run()
+        core.shutdown()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.warning("the API process went away; the engine process exits")
     except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
         logger.error("engine loop failed:\n%s", traceback.format_exc())
         _send_quietly(conn, ("fatal", f"{type(e).__name__}: {e}"))
         os._exit(1)
+
+
+def _exit_on_rank_death(reason: str) -> None:
+    """A tensor-parallel rank died: this process exits too (its other ranks die with it), and the supervisor
+    ends the requests in flight with an error and starts a new group, as for any engine death."""
+    logger.error("%s; the engine process exits so the supervisor restarts the whole group", reason)
+    os._exit(1)
 
 
 def _send_quietly(conn: Connection, msg: tuple) -> None:

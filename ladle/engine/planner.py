@@ -107,6 +107,7 @@ class MemoryPlan:
     max_num_batched_tokens: int
     max_prefill_length: int
     num_kv_blocks: int
+    ranks: tuple[str, ...] = ()  # tensor parallel: each rank's own plan, before they agreed on the smallest
 
     @property
     def activation_peak(self) -> int:
@@ -137,7 +138,17 @@ class MemoryPlan:
             f"margin            {i.margin / MiB:10.1f} MiB",
             f"headroom          {self.headroom / MiB:10.1f} MiB",
             f"activation model  {i.activation.describe()}",
+            *(["tensor-parallel ranks, each planned on its own (the engine runs the smallest of each figure):"]
+              + [f"  {line}" for line in self.ranks] if self.ranks else []),
         ]
+
+    def summary(self) -> str:
+        """One line: this plan's main figures."""
+        i = self.inputs
+        return (f"budget {i.budget / MiB:.1f} MiB, weights {i.weights / MiB:.1f} MiB, KV pool "
+                f"{self.num_kv_blocks} blocks ({self.kv_pool_bytes / MiB:.1f} MiB), step "
+                f"{self.max_num_batched_tokens} tokens (activation peak {self.activation_peak / MiB:.1f} MiB), "
+                f"headroom {self.headroom / MiB:.1f} MiB")
 
     def prompt_report(self, prompt_tokens: int) -> str:
         if prompt_tokens > self.max_model_len:

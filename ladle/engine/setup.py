@@ -4,7 +4,9 @@ The same path serves the engine and `ladle plan`, so the plan printed is the pla
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,13 +16,16 @@ from ladle.config import (
 )
 from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.engine import profile_cache
-from ladle.engine.planner import PlanInputs, plan_memory
+from ladle.engine.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
-from ladle.engine.threads import apply_threads, resolve_threads
+from ladle.engine.threads import apply_threads, resolve_threads, usable_cpus
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import resolve_backend, select_backend
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
+from ladle.worker.block_table import BlockTableBuffer
+from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
 
 
 @dataclass
@@ -38,16 +43,20 @@ def profile_token_counts(max_len: int) -> list[int]:
 
 def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: object,
                         layout: KVCacheLayout, device: torch.device, context: int,
-                        backend: str) -> list[ProfilePoint]:
+                        backend: str, tp: TensorParallel) -> list[ProfilePoint]:
     """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
-    now and stored for the next start."""
+    now and stored for the next start. Tensor-parallel ranks profile together (the forward runs collectives),
+    so they use their cache entries only if every rank has one."""
     token_counts = profile_token_counts(context)
     rows = sorted({min(r, args.max_num_seqs) for r in (16, 64, 128)})
     dtype = layout.groups[0].spec.dtype
     key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
-                                    token_counts=token_counts, rows=rows, attention_backend=backend)
+                                    token_counts=token_counts, rows=rows, attention_backend=backend,
+                                    tensor_parallel=(tp.rank, tp.world_size))
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
     cached = profile_cache.load(key) if use_cache else None
+    if tp.all_min([cached is not None])[0] == 0:
+        cached = None
     if cached is not None:
         prov.put("activation_profile", "cached", f"from {profile_cache.cache_dir() / key}.json")
         return cached
@@ -81,17 +90,67 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int,
     return 0, False
 
 
-def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
+def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int) -> tuple[int, bool]:
+    """What a tensor-parallel group does not do yet: launch a step ahead (the other ranks run each step as
+    rank 0 sends it), or replay CUDA graphs (they would hold the collectives). Explicit requests are refused."""
+    for name, value in (("async_scheduling", args.async_scheduling), ("max_cudagraph_capture_size", graph_batch)):
+        if value and name in prov.explicit:
+            raise ValueError(f"{name} cannot be used with tensor_parallel_size > 1 yet; drop it")
+    why = "tensor-parallel steps run eagerly, one at a time, as rank 0 sends them"
+    prov.put("max_cudagraph_capture_size", 0, why)
+    prov.put("async_scheduling", False, why)
+    return 0, False
+
+
+def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner,
+                 **extra: Any) -> ModelRunner:
+    """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
+    layout = cfg.kv_layout
+    # A model with state layers keeps one state slot per running request (the plan reserved them).
+    slots = cfg.max_num_seqs if layout.state_groups else 0
+    caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device, slots)
+    # Room for every running request, and as many again for preempted ones coming back; one per group.
+    tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
+              for _ in layout.groups]
+    backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
+    return runner_cls(model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
+                      tuple(g.layers for g in layout.state_groups), layout.compressions, **extra)
+
+
+def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
+    """Every rank's plan fits its own memory, and using less of anything never costs more, so the element-wise
+    smallest plan fits every rank (a chunk cap stays within the step budget: each rank's did)."""
+    names = ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks")
+    own = [getattr(plan, n) for n in names]
+    agreed = tp.all_min(own)
+    ranks = tuple(f"rank {r}: {line}" for r, line in enumerate(tp.all_gather_object(plan.summary())))
+    for name, mine, value in zip(names, own, agreed):
+        if value != mine:
+            prov.put(name, value, f"the smallest of the {tp.world_size} tensor-parallel ranks' plans (rank "
+                                  f"{tp.rank}'s: {mine})")
+    return dataclasses.replace(plan, **dict(zip(names, agreed)), ranks=ranks)
+
+
+def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel = SINGLE) -> Loaded:
+    """Every rank of a tensor-parallel group runs this at once, on its own shard; the ranks agree on one plan."""
     prov = Provenance(explicit)
     device, dtype = resolve_basics(args, prov)
+    if device.type == "cuda" and tp.world_size > 1:
+        device = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(device)
     # Before anything runs in parallel: torch's thread team is created at the first parallel op, and its
     # threads inherit this thread's CPU mask.
-    bound = apply_threads(resolve_threads(args, prov), device, pin=args.reserved_cpus > 0)
+    num_threads = resolve_threads(args, prov, tp.world_size)
+    # Bound only where every rank's share fits beside the reserved CPUs.
+    pin = args.reserved_cpus > 0 and tp.world_size * num_threads <= len(usable_cpus()) - args.reserved_cpus
+    bound = apply_threads(num_threads, device, pin=pin, first=tp.rank * num_threads)
     if bound is not None:
         prov.put("cpu_binding", " ".join(map(str, bound)),
                  f"OpenMP thread i on the i-th of these CPUs, as vLLM binds; {args.reserved_cpus} left to the API "
                  "process")
     free, total = free_memory_bytes(device), total_memory_bytes(device)
+    if device.type == "cpu" and tp.world_size > 1:  # the ranks share the host's memory
+        free, total = free // tp.world_size, total // tp.world_size
     user_cap = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     budget, budget_reason = device_budget(device, args.gpu_memory_utilization, user_cap, free, total)
     prov.put("memory_budget", f"{budget / 2**30:.2f} GiB", budget_reason)
@@ -102,7 +161,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
-    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config)
+    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp)
     if hasattr(model, "cpu_kernels") and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -115,12 +174,15 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
         graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
+    async_scheduling = bool(args.async_scheduling)
+    if tp.world_size > 1:
+        graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
     backend, why = resolve_backend(device, args.attention_backend)
     prov.put("attention_backend", backend, why)
     for group in layout.groups:
         select_backend(device, group.spec, backend)  # fails now, with the reason, if a group has no backend here
 
-    points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend)
+    points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend, tp)
     activation = fit_activation_model(points, args.max_num_seqs)
 
     # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
@@ -134,14 +196,17 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str]) -> Loaded:
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
         typed["kv_cache_memory_bytes"] = parse_bytes(args.kv_cache_memory_bytes)
     plan = plan_memory(inputs, typed, prov.put)
+    if tp.world_size > 1:
+        plan = agree_on_plan(plan, tp, prov)
     limits = resolve_partial_prefills(args, prov, plan.max_num_batched_tokens)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
-        max_cudagraph_capture_size=graph_batch, async_scheduling=bool(args.async_scheduling),
+        max_cudagraph_capture_size=graph_batch, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
+        tensor_parallel_size=prov.put("tensor_parallel_size", tp.world_size),
         settings=prov.settings, plan=plan, kv_layout=layout,
     )
     return Loaded(model, hf_config, config)

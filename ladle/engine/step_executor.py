@@ -37,6 +37,11 @@ def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
     return [ChunkSpec(s.request.request_id, s.start_pos, s.num_new_tokens, s.samples) for s in sched.scheduled]
 
 
+class FatalStepError(RuntimeError):
+    """A failure after which no retry is sound (a tensor-parallel rank broke off mid-step, leaving the group's
+    collectives out of step): the engine ends, and a server's supervisor starts a new one."""
+
+
 @dataclass(frozen=True)
 class RequestFailure:
     request_id: str
@@ -76,6 +81,8 @@ class StepExecutor:
                 if self.before_execute is not None:
                     self.before_execute(sched)
                 return StepResult(self.runner.execute(chunk_specs(sched)), sched)
+            except FatalStepError:
+                raise
             except _OOM as e:
                 for g, state in zip(generators, states):
                     g.set_state(state)

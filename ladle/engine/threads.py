@@ -28,7 +28,8 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def resolve_threads(args: EngineArgs, prov: Provenance) -> int:
+def resolve_threads(args: EngineArgs, prov: Provenance, ranks: int = 1) -> int:
+    """ranks: tensor-parallel processes sharing this machine's CPUs; by default each gets an equal share."""
     cpus = usable_cpus()
     if args.num_threads is not None:
         if args.num_threads > len(cpus):
@@ -41,15 +42,18 @@ def resolve_threads(args: EngineArgs, prov: Provenance) -> int:
     reserved = min(args.reserved_cpus, len(cpus) - 1)
     reason = f"the {len(cpus)} CPUs this process may use" + (
         f", less {reserved} for the API process" if reserved else "")
-    return prov.put("num_threads", len(cpus) - reserved, reason)
+    if ranks > 1:
+        reason += f", shared by {ranks} tensor-parallel ranks"
+    return prov.put("num_threads", max(1, (len(cpus) - reserved) // ranks), reason)
 
 
-def apply_threads(num_threads: int, device: torch.device, pin: bool) -> list[int] | None:
+def apply_threads(num_threads: int, device: torch.device, pin: bool, first: int = 0) -> list[int] | None:
     """Run torch with num_threads threads; with pin, also bind thread i of torch's OpenMP team to the i-th CPU
     this process may use (the API process gets the rest), so the OS moves other work to the reserved CPUs
     instead of preempting a thread the rest of the team waits for. Returns the CPU each thread is bound to
     (None when nothing was bound). Only a process ladle owns is pinned (the server's engine process): an
-    offline LLM runs in its caller's process, whose affinity is the caller's business."""
+    offline LLM runs in its caller's process, whose affinity is the caller's business. first: the index of
+    this process's first CPU (a tensor-parallel rank takes the rank-th share)."""
     import torch
 
     if device.type != "cpu":
@@ -57,7 +61,7 @@ def apply_threads(num_threads: int, device: torch.device, pin: bool) -> list[int
     torch.set_num_threads(num_threads)
     if not pin or not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = usable_cpus()[:num_threads]
+    cpus = usable_cpus()[first:first + num_threads]
     os.sched_setaffinity(0, cpus)  # threads created from here on (the team's included) start inside the set
     return bind_openmp_threads(cpus)
 

@@ -70,6 +70,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=S,
                    help="default: triton on CUDA; on CPU, ladle's C decode kernel (built with the system C compiler "
                         "on first use), or torch where it cannot be built")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=S,
+                   help="shard the model over this many ranks, one process each (gloo on CPU, NCCL on CUDA; "
+                        "default 1)")
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -83,7 +86,8 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
-               "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend", "seed")
+               "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
+               "tensor_parallel_size", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],
@@ -193,7 +197,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     engine_args, explicit = engine_args_from_flags(args, args.model)
     from ladle.engine.setup import load_and_plan
 
-    config = load_and_plan(engine_args, explicit).config
+    if engine_args.tensor_parallel_size > 1:  # every rank plans at once, so the group starts as it would serve
+        from ladle.engine.core import EngineCore
+
+        core = EngineCore(engine_args, explicit)
+        config = core.config
+        core.shutdown()
+    else:
+        config = load_and_plan(engine_args, explicit).config
     print(config.report())
     if args.prompt_tokens is not None:
         print(config.plan.prompt_report(args.prompt_tokens))
@@ -237,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     from ladle.entrypoints.server import add_serve_parser  # argparse + uvicorn only at import time
 
     add_serve_parser(sub)
+    from ladle.entrypoints.ray_serve import add_replica_arguments, cmd_serve_replicas
+
+    replicas = sub.add_parser("serve-replicas", help="data-parallel `ladle serve` replicas behind one endpoint, on "
+                                                     "Ray Serve (the ray extra)")
+    add_replica_arguments(replicas)
+    replicas.set_defaults(func=cmd_serve_replicas)
     from ladle.entrypoints.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -247,12 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     for command, p in sub.choices.items():
         # --log-level after the subcommand too (vLLM style); serve logs its settings table at INFO.
         add_log_level(p, argparse.SUPPRESS)
-        p.set_defaults(default_log_level="INFO" if command == "serve" else "WARNING")
+        p.set_defaults(default_log_level="INFO" if command.startswith("serve") else "WARNING")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # serve-replicas hands its flags on to each replica as typed
     level = args.log_level or args.default_log_level
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ladle").setLevel(level)  # also when the root logger was configured before (tests)

@@ -33,6 +33,16 @@ class LLM:
         self.engine = engine
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks now (they stop anyway when this process exits)."""
+        self.engine.core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def config(self):
         return self.engine.core.config

@@ -80,7 +80,10 @@ def _positive(name: str, value: float | int | None, allow_none: bool = False) ->
         raise ValueError(f"{name} must be positive, got {value}")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def server_state(args: argparse.Namespace, reserved_cpus: int, before_imports: Any = None) -> ServerState:
+    """From `ladle serve`'s flags: the engine client, its engine process already starting, and everything the
+    app serves with. reserved_cpus: CPUs the engine leaves to this process (and pins itself beside; 0 pins
+    nothing). before_imports: called once the engine process is starting, before the heavy imports."""
     from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli import engine_args_from_flags
     from ladle.entrypoints.metrics import ServerMetrics
@@ -89,12 +92,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     engine_args, explicit = engine_args_from_flags(args, args.model_tag or args.model)
-    # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.
-    engine_args = dataclasses.replace(engine_args, reserved_cpus=1)
+    engine_args = dataclasses.replace(engine_args, reserved_cpus=reserved_cpus)
     model = engine_args.model
     # As vLLM names it: the model argument as given, so a client sending --model's value finds it.
     name = args.served_model_name or args.model_tag or args.model or os.path.basename(os.path.normpath(model))
-    sock = _listen(args.host, args.port)  # a port in use fails now, before anything loads
+    if before_imports is not None:
+        before_imports()
     metrics = ServerMetrics(name)
     supervision = SupervisorConfig(
         max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
@@ -107,14 +110,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ladle.entrypoints.edge import EdgeLimits
-    from ladle.entrypoints.openai_app import ServerState, build_app
+    from ladle.entrypoints.openai_app import ServerState
     from ladle.entrypoints.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.tokenizer_pool import TokenizerPool
 
     tokenizer = AutoTokenizer.from_pretrained(engine_args.tokenizer or model)
     limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request)
     ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
-    state = ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
+    return ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ladle.entrypoints.openai_app import build_app
+
+    socks: list[socket.socket] = []
+    # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set; a port
+    # in use fails before anything loads.
+    state = server_state(args, 1, lambda: socks.append(_listen(args.host, args.port)))
+    sock, client, name = socks[0], state.client, state.ctx.model_name
     verbose = args.access_log or args.log_level == "DEBUG"
     config = uvicorn.Config(build_app(state), log_level="info" if verbose else "warning",
                             access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")

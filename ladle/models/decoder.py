@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
@@ -42,9 +43,10 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
-def attention_specs(config: Any, dtype: torch.dtype) -> list[CacheSpec]:
-    """What each layer of a plain decoder keeps: paged K/V, windowed where the config says so."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+def attention_specs(config: Any, dtype: torch.dtype, num_kv_heads: int | None = None) -> list[CacheSpec]:
+    """What each layer of a plain decoder keeps: paged K/V, windowed where the config says so. num_kv_heads:
+    the heads one tensor-parallel rank keeps (default: all of them)."""
+    num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return [AttentionSpec(num_kv_heads, head_dim_of(config), dtype, w) for w in layer_windows(config)]
 
 
@@ -87,6 +89,7 @@ class DecoderForCausalLM(nn.Module):
     biases are read from the config."""
 
     qk_norm: bool = False
+    tensor_parallel: bool = True  # shard() covers every layer the model has (a subclass with others says False)
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
@@ -99,7 +102,14 @@ class DecoderForCausalLM(nn.Module):
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype (max_model_len
         matters only to models whose per-request state grows with it)."""
-        return attention_specs(self.config, dtype)
+        return attention_specs(self.config, dtype, self.model.layers[0].self_attn.num_kv_heads)
+
+    def shard(self, tp: TensorParallel) -> dict:
+        """Shard this model (still on the meta device) for rank tp.rank; returns the checkpoint slices it
+        loads (ladle.models.tensor_parallel)."""
+        from ladle.models.tensor_parallel import shard_decoder
+
+        return shard_decoder(self, tp)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -111,6 +121,7 @@ class DecoderForCausalLM(nn.Module):
         self.cpu_head: CpuHead | CpuLinear | None = None
         # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
         self.cpu_kernels: tuple[str, str] = ("torch", "F.linear")
+        self.tp: TensorParallel = SINGLE  # the head is vocab-parallel when sharded
 
     def forward(
         self,
@@ -122,12 +133,13 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> fp32 logits [N, vocab], computed in the model dtype like HF."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> fp32 logits [N, vocab], computed in the model dtype like HF. Sharded, each
+        rank computes its vocabulary rows and rank 0 gets them all; the other ranks get None."""
         if self.cpu_head is not None:
-            return self.cpu_head(hidden).float()
+            return self.tp.gather_to_driver(self.cpu_head(hidden).float())
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.tp.gather_to_driver(F.linear(hidden, weight).float())
 
     def lay_out_for_cpu(self) -> None:
         """After loading, on CPU: every linear layer (the head too) as a CpuLinear over its own weight, or, where

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.ops import ModelOps, TorchOps, apply_rotary  # noqa: F401 -- apply_rotary: for importers
 
 # Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
@@ -118,9 +119,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.ops: ModelOps = TorchOps()
+        self.tp: TensorParallel = SINGLE  # down_proj is row-parallel when sharded (ladle.models.tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class Attention(nn.Module):
@@ -142,6 +144,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.ops: ModelOps = TorchOps()
+        self.tp: TensorParallel = SINGLE  # o_proj is row-parallel when sharded (ladle.models.tensor_parallel)
 
     def forward(
         self,
@@ -161,7 +164,7 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q, k = self.ops.qk_norm_rope(q, k, q_w, k_w, cos, sin, eps)
         o = attn.backend(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):

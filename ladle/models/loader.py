@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import select_ops, set_ops
 from ladle.models.registry import model_class_for, text_config_of
@@ -38,15 +39,23 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {model_dir}")
 
 
-def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model."""
+def iter_weights(files: list[str], slices: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model. slices: a
+    tensor-parallel rank's part of each sharded tensor (ladle.models.tensor_parallel.Slices), read alone from
+    the file; a None slice skips the tensor."""
     from safetensors import SafetensorError, safe_open
 
+    slices = slices or {}
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name not in slices:
+                        yield name, f.get_tensor(name)
+                    elif (part := slices[name]) is not None:
+                        index = [slice(None)] * (part.dim + 1)
+                        index[part.dim] = slice(part.start, part.start + part.size)
+                        yield name, f.get_slice(name)[tuple(index)]
         except SafetensorError as e:
             raise CheckpointError(f"the weights file {path} is truncated or corrupt ({e}); copy or export the "
                                   "checkpoint again") from None
@@ -68,19 +77,25 @@ def load_config(model_dir: str) -> Any:
 
 def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
-    config: Any = None,
+    config: Any = None, tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
-    config.json)."""
+    config.json). With tp of several ranks, only rank tp.rank's shard is built and read."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
     device = torch.device(device)
 
     # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
+    slices = None
     with torch.device("meta"):
         model = model_cls(config)
+        if tp.world_size > 1:
+            if not getattr(model_cls, "tensor_parallel", False):
+                raise ValueError(f"{model_cls.__name__} has no tensor-parallel form yet; run it with "
+                                 "tensor_parallel_size 1")
+            slices = model.shard(tp)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
     for module in model.modules():
@@ -93,7 +108,8 @@ def load_model(
             model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
         loaded = model.load_weights(
-            (name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in iter_weights(files)
+            (name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            for name, tensor in iter_weights(files, slices)
         )
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:

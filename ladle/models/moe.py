@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.layers import GatedMLP
 from ladle.models.ops import ModelOps, TorchOps
 
@@ -69,12 +70,13 @@ class SparseMoeBlock(nn.Module):
         # Profiling sets this: every token goes to experts 0..k-1, the routing that puts the most tokens
         # through one expert, whatever the dummy tokens' own routing would be.
         self.force_worst_routing = False
+        self.tp: TensorParallel = SINGLE  # experts sharded on their intermediate dimension when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
         if self.force_worst_routing:
             ids = torch.arange(self.top_k, device=x.device).expand_as(ids)
-        return self.experts(x, weights, ids)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -129,6 +129,7 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    tensor_parallel = False  # its Gated DeltaNet and gated attention layers have no sharded form yet
     """HF's Qwen3_5ForCausalLM (text only), also serving the text of Qwen3_5ForConditionalGeneration
     checkpoints (the registry hands it their text_config)."""
 

@@ -183,6 +183,12 @@ class ModelRunner:
         out = self.run(chunks, self._sampling_metadata(rids), self._table(specs, chunks))
         return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
 
+    @torch.inference_mode()
+    def forward_shard(self, specs: list[ChunkSpec]) -> None:
+        """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits."""
+        chunks = self.prepare(specs)
+        self._logits(chunks, self._table(specs, chunks))
+
     def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the
         engine can launch the next step before reading them (async scheduling). input_ids: the step's input

@@ -1,0 +1,130 @@
+"""Rank 0's side of tensor parallelism: it starts ranks 1..N-1 (one process each), sends them every step's
+plain payload, and watches them.
+
+The control path is one socket pair per rank (rank 0 pickles a step once and writes the bytes to each), the
+tensors go over torch.distributed. A rank that dies is noticed three ways: its socket reads EOF, rank 0's next
+collective raises (gloo reports the closed connection), and a watcher thread per rank reports its exit at once,
+so an idle server restarts its group without waiting for a request to fail. A rank never outlives rank 0: it
+asks the kernel for SIGKILL when its parent dies (ladle.distributed.worker).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+from ladle.config import EngineArgs
+from ladle.distributed.parallel_state import COLLECTIVE_TIMEOUT
+from ladle.engine.step_executor import FatalStepError
+from ladle.worker.model_runner import ModelRunner, SampledToken
+from ladle.worker.payload import ChunkSpec, StateUpdate
+
+logger = logging.getLogger("ladle")
+
+
+class TensorParallelError(FatalStepError):
+    """A rank died or failed mid-step: the group cannot go on."""
+
+
+class WorkerGroup:
+    """Ranks 1..world_size-1, started at construction; rank 0 is the caller's process."""
+
+    def __init__(self, args: EngineArgs, explicit: frozenset[str], world_size: int, log_level: str) -> None:
+        self.store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                                wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        self.failure: str | None = None  # why a rank is gone, once one is
+        self.on_death: Callable[[str], None] | None = None  # called from a watcher thread when a rank dies
+        self.closing = False
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, world_size):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "ladle.distributed.worker", str(theirs.fileno()),
+                                     str(os.getpid())], pass_fds=[theirs.fileno()])
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send((args, explicit, rank, world_size, self.store.port, log_level))
+            self.conns.append(conn)
+            self.procs.append(proc)
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"ladle-tp-watch-{rank}",
+                             daemon=True).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self.closing:
+            return
+        self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+        logger.error("%s", self.failure)
+        if self.on_death is not None:
+            self.on_death(self.failure)
+
+    def send(self, message: tuple) -> int:
+        """Pickle message once and write it to every rank; returns its size in bytes."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            raise TensorParallelError(f"a tensor-parallel rank is gone ({e})") from None
+        return len(data)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Tell every rank to stop, wait for it, and kill any that does not."""
+        self.closing = True
+        try:
+            self.send(("shutdown",))
+        except TensorParallelError:
+            pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self.conns:
+            conn.close()
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: ships each step's payload (the StateUpdates since the last step, then the step's
+    chunks) to the other ranks before running its own shard, and samples from the gathered logits."""
+
+    def __init__(self, *args: Any, workers: WorkerGroup, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.workers = workers
+        self.updates: list[StateUpdate] = []
+        # What shipping the steps cost rank 0 (benchmarks/tensor_parallel.py reports it per step).
+        self.broadcasts, self.broadcast_bytes, self.broadcast_s = 0, 0, 0.0
+
+    def apply(self, update: StateUpdate) -> None:
+        super().apply(update)
+        if update:
+            self.updates.append(update)
+
+    def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
+        start = time.perf_counter()
+        self.broadcast_bytes += self.workers.send(("execute", self.updates, specs))
+        self.broadcast_s += time.perf_counter() - start
+        self.broadcasts += 1
+        self.updates = []
+        return super().execute(specs)
+
+    def _logits(self, chunks: list, block_tables: tuple[torch.Tensor, ...] | None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        # Any failure inside the sharded forward leaves the ranks at different collectives: no retry is sound.
+        try:
+            return super()._logits(chunks, block_tables, input_ids)
+        except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
+            why = self.workers.failure or f"{type(e).__name__}: {e}"
+            raise TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})") from e
