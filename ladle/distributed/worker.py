@@ -16,6 +16,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from ladle.engine.allocator import tune_malloc
 from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel, rank_device_type
 from ladle.engine.setup import build_runner, load_and_plan
 
@@ -53,6 +54,7 @@ def main(fd: int, parent_pid: int) -> None:
     args, explicit, rank, world_size, store_port, log_level = conn.recv()
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:
+        tune_malloc()
         tp = init_tensor_parallel(rank, world_size, store_port, rank_device_type(args.device))
         loaded = load_and_plan(args, explicit, tp)
         runner = build_runner(loaded.model, loaded.config)

@@ -171,8 +171,11 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
     try:
+        from ladle.engine.allocator import tune_malloc
         from ladle.engine.core import EngineCore
 
+        if not tune_malloc():
+            logger.info("malloc left at its defaults (no glibc mallopt here)")
         core = EngineCore(args, explicit)
     except BaseException as e:  # noqa: BLE001 -- any load failure is reported to the supervisor, then exit
         # The API process prints the one-line reason; the traceback is for --log-level DEBUG.
