@@ -195,7 +195,6 @@ class EngineConfig:
     partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
     scheduling_policy: str = "fcfs"
     attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
-    tensor_parallel_size: int = 1
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs

@@ -147,3 +147,25 @@ def test_plan_shows_each_ranks_own_plan(tiny_qwen3_dir, capsys):
     ranks = [line for line in out.splitlines() if line.strip().startswith(("rank 0:", "rank 1:"))]
     assert len(ranks) == 2 and all("KV pool" in line and "weights" in line for line in ranks)
     assert not _worker_pids(os.getpid())
+
+
+def test_an_explicit_setting_tensor_parallelism_cannot_honour_is_refused(tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size > 1"):
+        LLM(tiny_qwen3_dir, tensor_parallel_size=2, async_scheduling=True)
+    assert not _worker_pids(os.getpid())
+
+
+def test_a_failure_inside_the_sharded_forward_ends_the_engine_instead_of_retrying(tiny_qwen3_dir):
+    """Retrying would send rank 0 into collectives the other rank is not in: the step must fail at once."""
+    from ladle.distributed.workers import TensorParallelError
+
+    with LLM(tiny_qwen3_dir, tensor_parallel_size=2, max_model_len=512) as llm:
+        model = llm.engine.core.runner.model
+
+        def broken(*args, **kwargs):
+            raise MemoryError("injected inside the forward")
+
+        model.forward = broken
+        with pytest.raises(TensorParallelError, match="injected inside the forward"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+        assert llm.stats.oom_retries == 0

@@ -60,13 +60,6 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def rank_device_type(requested: str) -> str:
-    """cpu or cuda, as EngineArgs.device resolves (ladle.config.resolve_basics), known before any rank loads."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested.split(":")[0]
-
-
 def check_no_process_group() -> None:
     if torch.distributed.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process; a tensor-parallel ladle "

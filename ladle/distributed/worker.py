@@ -17,8 +17,10 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ladle.engine.allocator import tune_malloc
-from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel, rank_device_type
+from ladle.config import resolve_device
+from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from ladle.engine.setup import build_runner, load_and_plan
+from ladle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ladle")
 
@@ -33,7 +35,7 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def serve_steps(conn: Connection, runner) -> None:
+def serve_steps(conn: Connection, runner: ModelRunner) -> None:
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -55,7 +57,7 @@ def main(fd: int, parent_pid: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:
         tune_malloc()
-        tp = init_tensor_parallel(rank, world_size, store_port, rank_device_type(args.device))
+        tp = init_tensor_parallel(rank, world_size, store_port, resolve_device(args.device).type)
         loaded = load_and_plan(args, explicit, tp)
         runner = build_runner(loaded.model, loaded.config)
         serve_steps(conn, runner)

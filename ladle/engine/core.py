@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig
 
-from ladle.config import EngineArgs, EngineConfig
+from ladle.config import EngineArgs, EngineConfig, resolve_device
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.distributed.parallel_state import (
-    SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel, rank_device_type,
+    SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
 )
 from ladle.distributed.workers import DriverRunner, WorkerGroup
 from ladle.engine.setup import build_runner, load_and_plan
@@ -71,7 +71,7 @@ class EngineCore:
         try:
             if self.workers is not None:
                 self.tp = init_tensor_parallel(0, args.tensor_parallel_size, self.workers.store.port,
-                                               rank_device_type(args.device), self.workers.store)
+                                               resolve_device(args.device).type, self.workers.store)
             loaded = load_and_plan(args, explicit, self.tp)
         except BaseException:
             self.shutdown()

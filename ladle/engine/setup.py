@@ -199,6 +199,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if tp.world_size > 1:
         plan = agree_on_plan(plan, tp, prov)
     limits = resolve_partial_prefills(args, prov, plan.max_num_batched_tokens)
+    prov.put("tensor_parallel_size", tp.world_size)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
@@ -206,7 +207,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
         max_cudagraph_capture_size=graph_batch, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
-        tensor_parallel_size=prov.put("tensor_parallel_size", tp.world_size),
         settings=prov.settings, plan=plan, kv_layout=layout,
     )
     return Loaded(model, hf_config, config)
