@@ -44,7 +44,7 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     lines += header(r, "vllm_serve_side_by_side")
     servers = {s["engine"]: s for s in r["servers"]}
     lines += [f"Startup: ladle {servers['ladle']['startup_s']:.1f} s, vLLM {servers['vllm']['startup_s']:.1f} s. "
-              "Threads: " + "; ".join(f"{e}: " + " / ".join(" ".join(x.split()) for x in s["thread_settings"][:3])
+              "Threads: " + "; ".join(f"{e}: " + " / ".join(list(dict.fromkeys(" ".join(x.split()) for x in s["thread_settings"]))[:3])
                                          for e, s in servers.items()),
               ""]
     pts = {(p["server"], p["client"], p["rate"]): p for p in r["points"]}
