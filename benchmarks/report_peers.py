@@ -2,6 +2,7 @@
 build, offline and serving."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from report_common import header, plt, save_plot, table
@@ -47,7 +48,11 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
               "Threads: " + "; ".join(f"{e}: " + " / ".join(list(dict.fromkeys(" ".join(x.split()) for x in s["thread_settings"]))[:3])
                                          for e, s in servers.items()),
               ""]
-    pts = {(p["server"], p["client"], p["rate"]): p for p in r["points"]}
+    pts = median_cells(r["points"])
+    repeats = r.get("repeats", 1)
+    if repeats > 1:
+        lines += [f"Each cell is the median over {repeats} repeats of the whole set (same prompts and arrivals), "
+                  f"with a {r['settle_s']:.0f} s pause before each cell.", ""]
     rows = []
     for client in ("vllm", "ladle"):
         for rate in sorted({k[2] for k in pts}):
@@ -73,6 +78,18 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     fig.suptitle("Serving latency at equal Poisson rates: ladle serve vs vllm serve")
     save_plot(fig, "vllm_serve_side_by_side")
     return lines
+
+
+def median_cells(points: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(server, client, rate) -> that cell's completed count (the least) and each latency quantile's median
+    over the repeats."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["server"], p["client"], p["rate"]), []).append(p)
+    return {key: {"completed": min(p["completed"] for p in ps),
+                  **{m: {q: statistics.median(p[m][q] for p in ps) for q in ("median", "p99")}
+                     for m in ("ttft_ms", "itl_ms", "tpot_ms")}}
+            for key, ps in groups.items()}
 
 
 def bf16_agreement(r: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ class Server:
         print(f"{engine} healthy after {self.startup_s:.1f} s", flush=True)
 
     def summary(self) -> dict[str, Any]:
-        keys = ("num_threads", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
+        keys = ("num_threads", "lent_cpus", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
         threads = [line.strip() for line in self.log.read_text().splitlines() if any(k in line for k in keys)]
         return {"engine": self.engine, "command": " ".join(self.command), "startup_s": self.startup_s,
                 "thread_settings": threads}
@@ -110,24 +111,28 @@ class Server:
 
 def measure(servers: list[Server], args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> list[dict]:
     """Every (rate, client) cell on every server back to back, the server order flipping from cell to cell, so
-    the machine's drift over the run falls on both servers alike."""
+    the machine's drift over the run falls on both servers alike; the whole set args.repeats times, each
+    repeat on the same prompts and arrivals. Before each cell a pause lets the other server go quiet: vLLM's
+    CPU worker spins for about a second after its last step, and its idle loop polls (2-4% of a CPU)."""
     for server in servers:
         ladle_client(server.port, model, float("inf"), 2, (32, 64), (4, 4), vocab, seed=-1)  # warm-up
     points: list[dict[str, Any]] = []
     lens = (tuple(args.input_len), tuple(args.output_len))
     cell = 0
-    for i, rate in enumerate(args.rates):
+    for repeat, (i, rate) in ((k, x) for k in range(args.repeats) for x in enumerate(args.rates)):
         n = max(args.min_prompts, round(rate * args.seconds))
         for client in ("vllm", "ladle") if i % 2 == 0 else ("ladle", "vllm"):
             for server in servers if cell % 2 == 0 else servers[::-1]:
+                time.sleep(args.settle_s)
                 if client == "vllm":
                     r = vllm_client(args.vllm_python, server.port, model, rate, n, *lens, seed=100 + i,
                                     result_dir=tmp)
                 else:
                     r = ladle_client(server.port, model, rate, n, *lens, vocab, seed=100 + i)
-                r.update(server=server.engine, client=client, rate=rate, num_prompts=n)
+                r.update(server=server.engine, client=client, rate=rate, num_prompts=n, repeat=repeat)
                 points.append(r)
-                print({k: r[k] for k in ("server", "client", "rate", "completed", "failed", "ttft_ms", "itl_ms")},
+                print({k: r[k] for k in ("repeat", "server", "client", "rate", "completed", "failed", "ttft_ms",
+                                         "itl_ms")},
                       flush=True)
             cell += 1
     return points
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--input-len", type=int, nargs=2, default=[60, 540])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 144])
+    ap.add_argument("--repeats", type=int, default=1, help="the report takes each cell's median over repeats")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="pause before each cell")
     ap.add_argument("--engines", nargs="+", default=["vllm", "ladle"], help="started in this order")
     ap.add_argument("--out", default="vllm_serve_side_by_side")
     args = ap.parse_args()
@@ -153,7 +160,7 @@ def main() -> None:
     servers: list[Server] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for engine in args.engines:  # all up at once; an idle server blocks on its queue and costs no CPU
+            for engine in args.engines:  # all up at once, taking turns (see measure for what an idle one costs)
                 servers.append(Server(engine, args, model, Path(tmp)))
             points = measure(servers, args, model, vocab, Path(tmp))
         finally:
@@ -165,6 +172,7 @@ def main() -> None:
     save(args.out, {"benchmark": "vllm_serve_side_by_side", "model": args.model_name, "vllm_version": version,
                     "model_config": model_facts(model), "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "input_len": args.input_len, "output_len": args.output_len, "seconds": args.seconds,
+                    "repeats": args.repeats, "settle_s": args.settle_s,
                     "servers": summaries, "points": points})
 
 

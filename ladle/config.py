@@ -198,6 +198,7 @@ class EngineConfig:
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs
+    cpu_lending: Any = None  # ladle.engine.cpu_lending.CpuLending: reserved CPUs the steps may borrow; None: none
 
     def report(self) -> str:
         """The resolved settings with their provenance, then the memory plan and the KV cache groups."""

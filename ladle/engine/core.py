@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 from ladle.config import EngineArgs, EngineConfig, resolve_device
 from ladle.engine.core_output import EngineCoreOutput
+from ladle.engine.cpu_lending import CpuLender
 from ladle.distributed.parallel_state import (
     SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
 )
@@ -98,6 +99,8 @@ class EngineCore:
                         "%.1f MiB)", cfg.max_cudagraph_capture_size, time.perf_counter() - start,
                         self.graph_memory_bytes / 2**20, cfg.plan.inputs.graph_bytes / 2**20)
         self.stats = EngineStats()
+        self.lender = (None if cfg.cpu_lending is None else
+                       CpuLender(cfg.cpu_lending, torch.set_num_threads))  # reserved CPUs, borrowed while idle
         self.executor = StepExecutor(self.runner, cfg.block_size, cfg.device, self.stats)
         self.sync = RunnerSync()  # what the runner has been told of each request
         # Everything alive now (torch, transformers, the model) lives as long as the engine: keep the
@@ -178,6 +181,8 @@ class EngineCore:
                     raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting, "
                                        f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
                 return []
+            if self.lender is not None:
+                self.stats.steps_with_lent_cpus += self.lender.before_step() > self.lender.lending.base_threads
             self.runner.apply(self.sync.update(sched, self.kv))
             pending = self._launch(sched) if self._can_defer() else None
             if pending is None:

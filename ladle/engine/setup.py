@@ -18,7 +18,7 @@ from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_b
 from ladle.engine import profile_cache
 from ladle.engine.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
-from ladle.engine.threads import apply_threads, resolve_threads, usable_cpus
+from ladle.engine.threads import apply_threads, resolve_lending, resolve_threads, usable_cpus
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
@@ -143,11 +143,12 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     num_threads = resolve_threads(args, prov, tp.world_size)
     # Bound only where every rank's share fits beside the reserved CPUs.
     pin = args.reserved_cpus > 0 and tp.world_size * num_threads <= len(usable_cpus()) - args.reserved_cpus
-    bound = apply_threads(num_threads, device, pin=pin, first=tp.rank * num_threads)
+    lending = resolve_lending(args, prov, num_threads, pin, tp.world_size) if device.type == "cpu" else None
+    bound = apply_threads(num_threads, device, pin=pin, first=tp.rank * num_threads, lending=lending)
     if bound is not None:
         prov.put("cpu_binding", " ".join(map(str, bound)),
                  f"OpenMP thread i on the i-th of these CPUs, as vLLM binds; {args.reserved_cpus} left to the API "
-                 "process")
+                 "process" + (" and lent while it idles" if lending else ""))
     free, total = free_memory_bytes(device), total_memory_bytes(device)
     if device.type == "cpu" and tp.world_size > 1:  # the ranks share the host's memory
         free, total = free // tp.world_size, total // tp.world_size
@@ -207,6 +208,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
         max_cudagraph_capture_size=graph_batch, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
-        settings=prov.settings, plan=plan, kv_layout=layout,
+        settings=prov.settings, plan=plan, kv_layout=layout, cpu_lending=lending,
     )
     return Loaded(model, hf_config, config)

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ladle.engine.cpu_lending import CpuLending, lending_reason
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,9 +38,9 @@ def resolve_threads(args: EngineArgs, prov: Provenance, ranks: int = 1) -> int:
             raise ValueError(f"num_threads={args.num_threads} exceeds the {len(cpus)} CPUs this process may use; "
                              f"set num_threads <= {len(cpus)}")
         return prov.put("num_threads", args.num_threads)
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:  # the user's environment, as given (OpenMP binding may narrow our mask)
-        return prov.put("num_threads", int(env), "OMP_NUM_THREADS")
+    env = _env_threads()
+    if env:  # the user's environment, as given (OpenMP binding may narrow our mask)
+        return prov.put("num_threads", env, "OMP_NUM_THREADS")
     reserved = min(args.reserved_cpus, len(cpus) - 1)
     reason = f"the {len(cpus)} CPUs this process may use" + (
         f", less {reserved} for the API process" if reserved else "")
@@ -47,13 +49,35 @@ def resolve_threads(args: EngineArgs, prov: Provenance, ranks: int = 1) -> int:
     return prov.put("num_threads", max(1, (len(cpus) - reserved) // ranks), reason)
 
 
-def apply_threads(num_threads: int, device: torch.device, pin: bool, first: int = 0) -> list[int] | None:
+def _env_threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() else 0
+
+
+def resolve_lending(args: EngineArgs, prov: Provenance, num_threads: int, pin: bool, ranks: int) -> CpuLending | None:
+    """The reserved CPUs the engine may borrow (cpu_lending.py): only where ladle chose the thread count (an
+    explicit one, or OMP_NUM_THREADS, is run exactly) and pinned the engine beside them."""
+    lent = usable_cpus()[num_threads:]
+    why = ("num_threads is explicit" if args.num_threads is not None else
+           "OMP_NUM_THREADS is set" if _env_threads() else
+           "tensor-parallel ranks share the CPUs" if ranks > 1 else
+           "no CPU is reserved beside a pinned engine" if not pin or not lent else "")
+    if why:
+        prov.put("lent_cpus", "none", why)
+        return None
+    prov.put("lent_cpus", " ".join(map(str, lent)), lending_reason(lent))
+    return CpuLending(num_threads, tuple(usable_cpus()[:num_threads] + lent), len(lent))
+
+
+def apply_threads(num_threads: int, device: torch.device, pin: bool, first: int = 0,
+                  lending: CpuLending | None = None) -> list[int] | None:
     """Run torch with num_threads threads; with pin, also bind thread i of torch's OpenMP team to the i-th CPU
     this process may use (the API process gets the rest), so the OS moves other work to the reserved CPUs
     instead of preempting a thread the rest of the team waits for. Returns the CPU each thread is bound to
     (None when nothing was bound). Only a process ladle owns is pinned (the server's engine process): an
     offline LLM runs in its caller's process, whose affinity is the caller's business. first: the index of
-    this process's first CPU (a tensor-parallel rank takes the rank-th share)."""
+    this process's first CPU (a tensor-parallel rank takes the rank-th share). With lending, the team holds a
+    thread for each lent CPU too, bound now and run only when the lender says so."""
     import torch
 
     if device.type != "cpu":
@@ -63,7 +87,12 @@ def apply_threads(num_threads: int, device: torch.device, pin: bool, first: int 
         return None
     cpus = usable_cpus()[first:first + num_threads]
     os.sched_setaffinity(0, cpus)  # threads created from here on (the team's included) start inside the set
-    return bind_openmp_threads(cpus)
+    if lending is None:
+        return bind_openmp_threads(cpus)
+    torch.set_num_threads(len(lending.cpus))
+    bound = bind_openmp_threads(list(lending.cpus))
+    torch.set_num_threads(num_threads)
+    return bound
 
 
 def bind_openmp_threads(cpus: list[int]) -> list[int] | None:
