@@ -249,4 +249,6 @@ def test_metrics_report_engine_counters(server):
     assert metric(text, "ladle:prompt_tokens_total") > 0
     assert metric(text, "ladle:generation_tokens_total") >= 5
     assert metric(text, "ladle:prefill_chunks_total") >= 1
+    steps = metric(text, "ladle:engine_steps_total")
+    assert steps >= 5 and 0 <= metric(text, "ladle:engine_steps_with_lent_cpus_total") <= steps
     assert re.search(r"ladle:engine_healthy\{[^}]*\} 1\.0", text)

@@ -74,18 +74,23 @@ class CpuLender:
         self._last, self._at = self.read(), clock()
 
     def before_step(self) -> int:
-        """The threads the next step runs with (at most one /proc reading per window)."""
-        now = self.clock()
-        if now - self._at >= WINDOW_S:
-            ticks = self.read()
-            self.last_load = other_load(self._last, ticks, len(self.lending.cpus))
-            self._last, self._at = ticks, now
-            free = self.last_load < OTHER_LOAD_LIMIT
-            threads = self.lending.base_threads + (self.lending.lent if free else 0)
-            if threads != self.threads:
-                self.set_threads(threads)
-                self.threads = threads
+        """The threads the next step runs with."""
+        self.observe()
         return self.threads
+
+    def observe(self) -> None:
+        """Read the load of the last window, at most once a window. An idle engine calls this too, every
+        window, so the first step after a pause is judged by the last window, not by the whole pause."""
+        now = self.clock()
+        if now - self._at < WINDOW_S:
+            return
+        ticks = self.read()
+        self.last_load = other_load(self._last, ticks, len(self.lending.cpus))
+        self._last, self._at = ticks, now
+        threads = self.lending.base_threads + (self.lending.lent if self.last_load < OTHER_LOAD_LIMIT else 0)
+        if threads != self.threads:
+            self.set_threads(threads)
+            self.threads = threads
 
 
 def lending_reason(lent: list[int]) -> str:

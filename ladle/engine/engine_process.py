@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ladle.config import EngineArgs
+from ladle.engine.cpu_lending import WINDOW_S
 from ladle.request import RequestRejected
 
 logger = logging.getLogger("ladle.engine_process")
@@ -54,6 +55,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    steps_with_lent_cpus: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -80,13 +82,17 @@ class EngineLoop:
             num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            num_steps=stats.num_steps,
+            num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
         )
 
     def run(self) -> None:
         while True:
             if not self.core.has_unfinished_requests():
-                # Idle: sleep in recv until the API sends something; no busy spin.
+                # Idle: sleep until the API sends something (no busy spin), waking once a window to keep the
+                # lender's reading of the CPUs' load current.
+                lender = self.core.lender
+                while lender is not None and not self.conn.poll(WINDOW_S):
+                    lender.observe()
                 if not self._handle(self.conn.recv()):
                     return
             # Bounded, so a flood of messages cannot starve the requests already running.

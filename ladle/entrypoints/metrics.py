@@ -21,6 +21,9 @@ _COUNTERS = {
     "prefill_chunks": ("prefill_chunks", "Prefill chunks run (a long prompt is several)."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_steps": ("engine_steps", "Engine steps run."),
+    "steps_with_lent_cpus": ("engine_steps_with_lent_cpus", "Engine steps run with the API process's idle CPUs "
+                                                            "lent (ladle serve on CPU)."),
 }
 
 
