@@ -102,11 +102,23 @@ class Server:
         self.startup_s = wait_healthy(self.port, self.proc, timeout_s=900)
         print(f"{engine} healthy after {self.startup_s:.1f} s", flush=True)
 
+    def read_lending(self) -> None:
+        """ladle's engine steps, and how many ran with the API process's CPU lent (from /metrics)."""
+        self.lending: dict[str, float] = {}
+        if self.engine != "ladle":
+            return
+        import httpx
+
+        for line in httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=30).text.splitlines():
+            for name in ("engine_steps_total", "engine_steps_with_lent_cpus_total"):
+                if line.startswith(f"ladle:{name}{{"):
+                    self.lending[name] = float(line.split()[-1])
+
     def summary(self) -> dict[str, Any]:
         keys = ("num_threads", "lent_cpus", "cpu_binding", "core ids", "reserved_cpus", "OMP_THREADS_BIND")
         threads = [line.strip() for line in self.log.read_text().splitlines() if any(k in line for k in keys)]
         return {"engine": self.engine, "command": " ".join(self.command), "startup_s": self.startup_s,
-                "thread_settings": threads}
+                "thread_settings": threads, "lending": self.lending}
 
 
 def measure(servers: list[Server], args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> list[dict]:
@@ -163,6 +175,8 @@ def main() -> None:
             for engine in args.engines:  # all up at once, taking turns (see measure for what an idle one costs)
                 servers.append(Server(engine, args, model, Path(tmp)))
             points = measure(servers, args, model, vocab, Path(tmp))
+            for server in servers:
+                server.read_lending()
         finally:
             for server in servers:
                 stop(server.proc)
