@@ -51,7 +51,7 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     pts = median_cells(r["points"])
     repeats = r.get("repeats", 1)
     if repeats > 1:
-        lines += [f"Each cell is the median over {repeats} repeats of the whole set (same prompts and arrivals), "
+        lines += [f"Each cell is the median over {repeats} repeats of the whole set (each with prompts of its own), "
                   f"with a {r['settle_s']:.0f} s pause before each cell.", ""]
     rows = []
     for client in ("vllm", "ladle"):

@@ -124,7 +124,7 @@ class Server:
 def measure(servers: list[Server], args: argparse.Namespace, model: str, vocab: int, tmp: Path) -> list[dict]:
     """Every (rate, client) cell on every server back to back, the server order flipping from cell to cell, so
     the machine's drift over the run falls on both servers alike; the whole set args.repeats times, each
-    repeat on the same prompts and arrivals. Before each cell a pause lets the other server go quiet: vLLM's
+    repeat with prompts of its own (the servers' prefix caches would serve a repeated one). Before each cell a pause lets the other server go quiet: vLLM's
     CPU worker spins for about a second after its last step, and its idle loop polls (2-4% of a CPU)."""
     for server in servers:
         ladle_client(server.port, model, float("inf"), 2, (32, 64), (4, 4), vocab, seed=-1)  # warm-up
@@ -136,11 +136,13 @@ def measure(servers: list[Server], args: argparse.Namespace, model: str, vocab: 
         for client in ("vllm", "ladle") if i % 2 == 0 else ("ladle", "vllm"):
             for server in servers if cell % 2 == 0 else servers[::-1]:
                 time.sleep(args.settle_s)
+                # Fresh prompts for each repeat: both servers cache prefixes, and a prompt seen before would
+                # measure the cache instead of the prefill.
+                seed = 100 + i + 1000 * repeat
                 if client == "vllm":
-                    r = vllm_client(args.vllm_python, server.port, model, rate, n, *lens, seed=100 + i,
-                                    result_dir=tmp)
+                    r = vllm_client(args.vllm_python, server.port, model, rate, n, *lens, seed=seed, result_dir=tmp)
                 else:
-                    r = ladle_client(server.port, model, rate, n, *lens, vocab, seed=100 + i)
+                    r = ladle_client(server.port, model, rate, n, *lens, vocab, seed=seed)
                 r.update(server=server.engine, client=client, rate=rate, num_prompts=n, repeat=repeat)
                 points.append(r)
                 print({k: r[k] for k in ("repeat", "server", "client", "rate", "completed", "failed", "ttft_ms",

@@ -6,7 +6,8 @@ here (BENCHMARKS.md, "CPU threads under load"): 2 threads are 1.4x faster than 1
 but 3.9x slower than themselves beside one busy process (2.4x with each thread bound to a core, as vLLM binds),
 while 1 thread does not slow down. The default is every CPU this process may use, less those reserved for
 ladle's other processes: `ladle serve` reserves one for its API process and binds each of its engine's threads
-to one of the rest, as vLLM's CPU backend binds them. On a shared machine, set num_threads below the free cores.
+to one of the rest, as vLLM's CPU backend binds them, and lends the reserved one back to the engine's steps
+while nothing else uses it (cpu_lending.py). On a shared machine, set num_threads below the free cores.
 """
 from __future__ import annotations
 
