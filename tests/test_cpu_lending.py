@@ -14,7 +14,8 @@ import torch
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
 from ladle.engine.cpu_lending import OTHER_LOAD_LIMIT, WINDOW_S, CpuLender, CpuLending, CpuTicks, other_load, read_ticks
-from ladle.engine.threads import usable_cpus
+from ladle.config import Provenance
+from ladle.engine.threads import keep_lending, usable_cpus
 
 
 def test_other_load_leaves_out_this_process_own_time():
@@ -71,6 +72,16 @@ def test_the_lender_lends_while_others_leave_the_cpus_idle_and_stops_when_they_d
     lender.observe()  # an idle engine keeps reading: the next step is judged by the last window alone
     machine.advance(1.5 * WINDOW_S, other_cpus=1.0, own_cpus=0.0)
     assert lender.before_step() == 1 and calls == [2, 1, 2, 1]
+
+
+def test_a_mixture_of_experts_model_is_not_lent_to(moe_dir):
+    """Its experts' index_add_ sums differ by thread count, so load would change its outputs."""
+    lending = CpuLending(base_threads=1, cpus=(0, 1), lent=1)
+    prov = Provenance(frozenset())
+    moe = LLM(moe_dir, num_threads=1).engine.core.runner.model
+    assert keep_lending(lending, torch.nn.Sequential(torch.nn.Linear(2, 2)), prov) is lending
+    assert keep_lending(lending, moe, prov) is None
+    assert prov.settings["lent_cpus"].value == "none" and "mixture-of-experts" in prov.settings["lent_cpus"].reason
 
 
 def test_explicit_num_threads_lends_nothing(tiny_qwen3_dir):

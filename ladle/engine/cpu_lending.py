@@ -7,8 +7,9 @@ that another process preempts holds the whole team at its next barrier (BENCHMAR
 load"). So before a step the lender looks at how much CPU time processes other than the engine took on the
 engine's CPUs and the lent ones over the last window (/proc/stat less the engine's own time), and runs the
 step with the lent CPUs only while that stays under OTHER_LOAD_LIMIT. The team's threads are bound once, at
-startup (threads.apply_threads), to one CPU each; lending is torch.set_num_threads. Every kernel ladle runs gives
-the same bits at any thread count (tests/test_cpu_lending.py), so lending never changes an output.
+startup (threads.apply_threads), to one CPU each; lending is torch.set_num_threads. Dense models give the same
+bits at any thread count (tests/test_cpu_lending.py), so lending never changes their outputs; mixture-of-experts
+models do not, and are not lent to (threads.keep_lending).
 """
 from __future__ import annotations
 

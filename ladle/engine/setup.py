@@ -18,7 +18,7 @@ from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_b
 from ladle.engine import profile_cache
 from ladle.engine.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
-from ladle.engine.threads import apply_threads, resolve_lending, resolve_threads, usable_cpus
+from ladle.engine.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
 from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
 from ladle.attention.backends import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
@@ -148,7 +148,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if bound is not None:
         prov.put("cpu_binding", " ".join(map(str, bound)),
                  f"OpenMP thread i on the i-th of these CPUs, as vLLM binds; {args.reserved_cpus} left to the API "
-                 "process" + (" and lent while it idles" if lending else ""))
+                 "process" + (" (see lent_cpus)" if lending else ""))
     free, total = free_memory_bytes(device), total_memory_bytes(device)
     if device.type == "cpu" and tp.world_size > 1:  # the ranks share the host's memory
         free, total = free // tp.world_size, total // tp.world_size
@@ -163,6 +163,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp)
+    lending = keep_lending(lending, model, prov)
     if hasattr(model, "cpu_kernels") and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

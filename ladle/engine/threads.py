@@ -70,6 +70,20 @@ def resolve_lending(args: EngineArgs, prov: Provenance, num_threads: int, pin: b
     return CpuLending(num_threads, tuple(usable_cpus()[:num_threads] + lent), len(lent))
 
 
+def keep_lending(lending: CpuLending | None, model: torch.nn.Module, prov: Provenance) -> CpuLending | None:
+    """Lending changes a step's thread count with the machine's load, so it is kept only for a model whose
+    every kernel gives the same bits at any thread count. Mixture-of-experts layers add their experts' results
+    with index_add_, whose float sums depend on the thread count (measured: qwen3-moe-512 and dsv4-512 float32
+    logprobs differ between 1 and 2 threads; dense Qwen3 and Qwen3.5 do not)."""
+    from ladle.models.moe import FusedMoE
+
+    if lending is None or not any(isinstance(m, FusedMoE) for m in model.modules()):
+        return lending
+    prov.put("lent_cpus", "none", "the model's mixture-of-experts sums differ by thread count; lending would let "
+                                  "the machine's load change outputs")
+    return None
+
+
 def apply_threads(num_threads: int, device: torch.device, pin: bool, first: int = 0,
                   lending: CpuLending | None = None) -> list[int] | None:
     """Run torch with num_threads threads; with pin, also bind thread i of torch's OpenMP team to the i-th CPU

@@ -168,7 +168,10 @@ async def run_serve(base_url: str, model: str, workload: Workload, request_rate:
     url = base_url.rstrip("/") + "/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timings = [RequestTiming(0.0, len(p)) for p in workload.prompts]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # An idle connection is dropped before the server's keep-alive timeout (uvicorn's and vLLM's: 5 s, as is
+    # httpx's default): at equal timeouts a request sent just as the server closes the connection fails with
+    # a ReadError (seen once at 0.25 req/s, where arrival gaps are often near 5 s).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         async def send(i: int) -> None:
             if sem is not None:
