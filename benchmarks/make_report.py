@@ -222,7 +222,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("memory_vs_prompt", memory), ("chunk_overhead", chunk),
     ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
     ("vllm_side_by_side", vllm_peer), ("bf16_agreement", bf16_agreement), ("bf16_agreement_chunked", bf16_agreement),
-    ("vllm_serve_side_by_side", vllm_serve_peer), ("tensor_parallel", tensor_parallel)]
+    ("vllm_serve_side_by_side", vllm_serve_peer), ("vllm_serve_side_by_side_768", vllm_serve_peer),
+    ("tensor_parallel", tensor_parallel)]
 
 
 GPU_GOALS = [

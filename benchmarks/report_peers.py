@@ -35,14 +35,15 @@ def vllm_peer(r: dict[str, Any]) -> list[str]:
 
 def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
     """Both servers, both clients, every rate: TTFT and ITL p50 / p99 side by side, and their ratios."""
-    lines = ["## 7b. Serving beside vLLM (CPU build)", "",
+    name = r.get("out", "vllm_serve_side_by_side")  # one section (and plot) per run: one per model
+    lines = [f"## 7b. Serving beside vLLM (CPU build), {r['model']}", "",
              f"`ladle serve` and `vllm serve` (vLLM {r.get('vllm_version', '')}) on `{r['model']}`, {r['dtype']}, "
              f"max_model_len {r['max_model_len']}, each with its defaults otherwise, both up and taking turns (one loaded at a time, "
              f"the order flipping from cell to cell so drift falls on both). At each Poisson rate (about {r['seconds']:.0f} s of arrivals) two clients take turns: vLLM's own "
              f"`vllm bench serve` (random dataset) and `ladle bench serve`'s client (random token ids); prompts "
              f"{r['input_len']} tokens, outputs {r['output_len']} (greedy, ignore_eos, streaming). Startup is "
              "launch to a healthy /health.", ""]
-    lines += header(r, "vllm_serve_side_by_side")
+    lines += header(r, name)
     servers = {s["engine"]: s for s in r["servers"]}
     lines += [f"Startup: ladle {servers['ladle']['startup_s']:.1f} s, vLLM {servers['vllm']['startup_s']:.1f} s. "
               "Threads: " + "; ".join(f"{e}: " + " / ".join(list(dict.fromkeys(" ".join(x.split()) for x in s["thread_settings"]))[:3])
@@ -76,7 +77,7 @@ def vllm_serve_peer(r: dict[str, Any]) -> list[str]:
         ax.set_ylabel(f"{key[:-3].upper()} ms (vllm bench serve)")
         ax.legend(fontsize=7)
     fig.suptitle("Serving latency at equal Poisson rates: ladle serve vs vllm serve")
-    save_plot(fig, "vllm_serve_side_by_side")
+    save_plot(fig, name)
     return lines
 
 

@@ -188,7 +188,7 @@ def main() -> None:
     save(args.out, {"benchmark": "vllm_serve_side_by_side", "model": args.model_name, "vllm_version": version,
                     "model_config": model_facts(model), "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "input_len": args.input_len, "output_len": args.output_len, "seconds": args.seconds,
-                    "repeats": args.repeats, "settle_s": args.settle_s,
+                    "repeats": args.repeats, "settle_s": args.settle_s, "out": args.out,
                     "servers": summaries, "points": points})
 
 
