@@ -56,7 +56,7 @@ class FakeMachine:
 
 def test_the_lender_lends_while_others_leave_the_cpus_idle_and_stops_when_they_do_not():
     machine, calls = FakeMachine(), []
-    lender = CpuLender(CpuLending(base_threads=1, cpus=(0, 1), lent=1), calls.append, machine.read,
+    lender = CpuLender(CpuLending(base_threads=1, cpus=(0, 1)), calls.append, machine.read,
                        lambda: machine.now)
     assert lender.before_step() == 1  # nothing measured yet
     machine.advance(0.5, other_cpus=0.03, own_cpus=2.0)  # the engine itself keeps both busy: not others' load
@@ -76,7 +76,7 @@ def test_the_lender_lends_while_others_leave_the_cpus_idle_and_stops_when_they_d
 
 def test_a_mixture_of_experts_model_is_not_lent_to(moe_dir):
     """Its experts' index_add_ sums differ by thread count, so load would change its outputs."""
-    lending = CpuLending(base_threads=1, cpus=(0, 1), lent=1)
+    lending = CpuLending(base_threads=1, cpus=(0, 1))
     prov = Provenance(frozenset())
     moe = LLM(moe_dir, num_threads=1).engine.core.runner.model
     assert keep_lending(lending, torch.nn.Sequential(torch.nn.Linear(2, 2)), prov) is lending

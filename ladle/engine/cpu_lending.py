@@ -29,7 +29,10 @@ class CpuLending:
     """What setup decided: the engine runs base_threads threads, plus one on each lent CPU while it is free."""
     base_threads: int
     cpus: tuple[int, ...]  # every CPU the team is bound to: the engine's own, then the lent ones
-    lent: int
+
+    @property
+    def lent(self) -> int:
+        return len(self.cpus) - self.base_threads
 
 
 @dataclass(frozen=True)

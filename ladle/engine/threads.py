@@ -67,7 +67,7 @@ def resolve_lending(args: EngineArgs, prov: Provenance, num_threads: int, pin: b
         prov.put("lent_cpus", "none", why)
         return None
     prov.put("lent_cpus", " ".join(map(str, lent)), lending_reason(lent))
-    return CpuLending(num_threads, tuple(usable_cpus()[:num_threads] + lent), len(lent))
+    return CpuLending(num_threads, tuple(usable_cpus()[:num_threads] + lent))
 
 
 def keep_lending(lending: CpuLending | None, model: torch.nn.Module, prov: Provenance) -> CpuLending | None:
