@@ -156,7 +156,11 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
     want = [_hf_greedy(hf, p, new, device) for p in prompts]
     del hf
     res: dict[str, Any] = {"prompts": list(lengths), "new_tokens": new}
-    variants = {"graphs": dict(max_cudagraph_capture_size=8), "eager": dict(enforce_eager=True)}
+    # Graphs for decode-only steps and for steps with a prefill chunk of up to 64 tokens (the 37-token prompt
+    # beside decodes), then decode-only graphs alone, then none.
+    variants = {"graphs": dict(max_cudagraph_capture_size=64),
+                "decode_graphs": dict(max_cudagraph_capture_size=8, cudagraph_mode="FULL_DECODE_ONLY"),
+                "eager": dict(enforce_eager=True)}
     if device.type != "cuda" or not graphs:
         variants = {"eager": {}}
     for name, extra in variants.items():

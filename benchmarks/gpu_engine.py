@@ -108,7 +108,7 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
     KV pool so the engine's own (prefix-cached) blocks are never touched. Second pass is timed."""
     from ladle.worker.inputs import ScheduledChunk
     from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-    from ladle.worker.sampler import SamplingMetadata
+    from ladle.worker.sampling_batch import sampling_metadata
     from ladle.sampling_params import SamplingParams
 
     cfg, ec = core.hf_config, core.config
@@ -117,8 +117,8 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
     runner = ModelRunner(core.runner.model, allocate_kv_caches(ec.kv_layout, layers, blocks, ec.device),
                          ec.block_size, ec.device)
     ids, table = prompts(1, prompt_len, cfg.vocab_size, 7)[0], list(range(blocks))
-    greedy = SamplingMetadata([SamplingParams(temperature=0.0)], [None], [[]], [[]], [frozenset()])
-    empty = SamplingMetadata([], [], [], [], [])
+    greedy = sampling_metadata([SamplingParams(temperature=0.0)], cfg.vocab_size, ec.device)
+    empty = sampling_metadata([], cfg.vocab_size, ec.device)
     times = []
     for _ in range(2):
         sync(ec.device)

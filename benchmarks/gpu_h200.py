@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
 from gpu_engine import decode_batch1, generate, peak, prefill_speed, prompts, set_async  # noqa: E402
-from gpu_kernels import decode_graphs, kernel_check, kernel_speed, sync  # noqa: E402
+from gpu_kernels import decode_graphs, kernel_check, kernel_speed, mixed_graphs, sync  # noqa: E402
 from gpu_table import table  # noqa: E402
 from gpu_tp import tensor_parallel  # noqa: E402
 
@@ -64,12 +64,13 @@ class Sizes:
     hf_batch: int = 64
     graph_context: int = 512
     graph_batches: tuple[int, ...] = (1, 64)
+    mixed_steps: tuple[tuple[int, int], ...] = ((1, 15), (16, 48), (32, 96), (64, 192))  # (decodes, chunk)
 
 
 DRY = Sizes(decode_prompt=16, decode_new=8, prefill_prompt=256, prefill_chunks=(64, 128), long_prompt=1024,
             long_new=2, offline_in=32, offline_out=8, offline_requests=6, offline_seconds=60.0, seed_requests=4,
             seed_prompt=100, seed_budget=64, seed_new=3, hf_batch1=(16, 8), hf_batch64=(32, 8), hf_batch=4,
-            graph_context=40, graph_batches=(1, 3))
+            graph_context=40, graph_batches=(1, 3), mixed_steps=((1, 9), (3, 20)))
 
 
 class Run:
@@ -154,7 +155,7 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
         c = core.config
         return dict(startup_s=round(built, 1), max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, num_kv_blocks=c.num_kv_blocks,
-                    cudagraph_capture_size=c.max_cudagraph_capture_size,
+                    cudagraph_capture_size=c.max_cudagraph_capture_size, cudagraph_mode=c.cudagraph_mode,
                     graph_memory_gib=round(core.graph_memory_bytes / GiB, 3),
                     plan_graph_memory_gib=round(c.plan.inputs.graph_bytes / GiB, 3), graph_error=graph_error,
                     plan=c.plan.lines())
@@ -166,6 +167,7 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
     run.section("ladle_8b_decode_batch1", 25, lambda: decode_batch1(core, s.decode_prompt, s.decode_new, vocab, ids,
                                                                     box))
     run.section("ladle_8b_decode_cuda_graphs", 30, lambda: decode_graphs(core, s.graph_context, s.graph_batches))
+    run.section("ladle_8b_mixed_cuda_graphs", 30, lambda: mixed_graphs(core, s.graph_context, s.mixed_steps))
     for chunk in s.prefill_chunks:
         run.section(f"ladle_8b_prefill_chunk{chunk}", 15, lambda c=chunk: prefill_speed(core, s.prefill_prompt, c,
                                                                                         a.peak_tflops))

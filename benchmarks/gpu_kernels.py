@@ -21,7 +21,7 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     """Decode steps eager vs replayed from CUDA graphs (ladle.worker.cuda_graphs), on a scratch KV pool:
     step time at each batch size, and how far the graph's logits are from the eager ones."""
     from ladle.worker.cuda_graphs import DecodeGraphs
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+    from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs
     from ladle.worker.model_runner import allocate_kv_caches
 
     ec, model = core.config, core.runner.model
@@ -41,7 +41,7 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
         chunks = [ScheduledChunk([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
         row: dict[str, Any] = {}
         with torch.inference_mode():
-            for name, fn in (("eager", eager), ("graph", graphs.run)):
+            for name, fn in (("eager", eager), ("graph", lambda c: graphs.run(StepBatch.of(c)))):
                 fn(chunks)
                 sync(ec.device)
                 t1 = time.perf_counter()
@@ -53,6 +53,55 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
         diff = (row.pop("graph_logits") - row.pop("eager_logits")).abs()
         speedup = round(row["eager_ms"] / row["graph_ms"], 2)
         res[f"batch{b}"] = dict(row, max_abs_logit_diff=float(diff.max()), speedup=speedup)
+    return res
+
+
+def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) -> dict:
+    """Steps with a prefill chunk eager vs replayed from CUDA graphs (ladle.worker.mixed_graphs), on a scratch
+    KV pool: `decodes` decodes at `context` beside one `chunk`-token prefill chunk, for each (decodes, chunk);
+    step time and how far the graph's hidden states (the sampled rows') are from the eager ones."""
+    from ladle.attention.backends import TritonAttention
+    from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs
+    from ladle.worker.mixed_graphs import MixedGraphs
+    from ladle.worker.model_runner import allocate_kv_caches
+
+    ec, model = core.config, core.runner.model
+    most = max(d + c for d, c in steps)
+    per_seq = -(-(context + most) // ec.block_size)
+    seqs = max(d for d, _ in steps) + 1
+    caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * seqs, ec.device)
+    # Padding writes to slot -1, which only the Triton kernels skip: the dry run takes them, in the interpreter.
+    backend = core.runner.backends[0] if ec.device.type == "cuda" else TritonAttention()
+    t0 = time.perf_counter()
+    graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, backend)
+    if ec.device.type == "cuda":
+        graphs.capture()
+    res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
+
+    def table(i: int) -> list[int]:
+        return list(range(i * per_seq, (i + 1) * per_seq))
+
+    def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=(backend,))
+        return model(inputs.input_ids, inputs.positions, caches, inputs.attn)
+
+    for decodes, chunk in steps:
+        chunks = [ScheduledChunk([i + 1], context, table(i), True) for i in range(decodes)]
+        chunks.append(ScheduledChunk(list(range(1, chunk + 1)), context, table(decodes), True))
+        row: dict[str, Any] = {"tokens": decodes + chunk, "graph_size": graphs.bucket(decodes + chunk)}
+        with torch.inference_mode():
+            for name, fn in (("eager", eager), ("graph", lambda c: graphs.run(StepBatch.of(c)))):
+                fn(chunks)
+                sync(ec.device)
+                t1 = time.perf_counter()
+                for _ in range(20):
+                    hidden = fn(chunks)
+                sync(ec.device)
+                row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
+                row[f"{name}_hidden"] = hidden.float().clone()
+        diff = (row.pop("graph_hidden") - row.pop("eager_hidden")).abs()
+        res[f"decodes{decodes}_chunk{chunk}"] = dict(row, max_abs_hidden_diff=float(diff.max()),
+                                                     speedup=round(row["eager_ms"] / row["graph_ms"], 2))
     return res
 
 

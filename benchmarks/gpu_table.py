@@ -25,8 +25,10 @@ def table(results: dict) -> str:
                 for k, v in res.items() if isinstance(v, dict)]
         elif name.endswith("cuda_graphs"):
             cells = [f"capture {res['capture_s']}s"] + [
-                f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, logit diff "
-                f"{v['max_abs_logit_diff']:.1e})" for k, v in res.items() if isinstance(v, dict)]
+                f"{k}: eager {v['eager_ms']}ms graph {v['graph_ms']}ms (x{v['speedup']}, "
+                f"{'logit' if 'max_abs_logit_diff' in v else 'hidden'} diff "
+                f"{v.get('max_abs_logit_diff', v.get('max_abs_hidden_diff')):.1e})"
+                for k, v in res.items() if isinstance(v, dict)]
         elif name == "tensor_parallel":
             cells = [f"greedy = TP 1: {res['greedy_identical_to_tp1']}"] + [
                 f"TP {k}: {v['output_tok_s']} tok/s, broadcast {v['broadcast_ms_per_step']} ms/step"

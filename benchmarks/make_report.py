@@ -233,6 +233,8 @@ GPU_GOALS = [
     ("prefill MFU at chunk 8192", ">= 60%", "ladle_8b_prefill_chunk8192"),
     ("131,072-token prompt, default settings", "completes; activation peak <= 3 GiB", "ladle_8b_prompt_131k"),
     ("seed A on the Qwen3-14B shape", "completes; largest step <= 1024", "seed_a_14b"),
+    ("steps with a prefill chunk (16-256 tokens beside decodes)", "graph replay faster than eager, same hidden "
+     "states", "ladle_8b_mixed_cuda_graphs"),
 ]
 
 

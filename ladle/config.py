@@ -22,6 +22,9 @@ DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
 # vLLM spellings accepted as aliases of ladle's names.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's names: FULL replays decode-only and mixed (prefill-carrying) steps from graphs, FULL_DECODE_ONLY only
+# decode-only steps.
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.backends
 
 
@@ -47,7 +50,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory (vLLM semantics)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every step eager (vLLM semantics)
-    max_cudagraph_capture_size: int | None = None  # largest decode batch replayed from a graph; default 512
+    max_cudagraph_capture_size: int | None = None  # largest step (tokens) replayed from a graph; default 512
+    cudagraph_mode: str | None = None  # FULL | FULL_DECODE_ONLY (CUDA); default FULL
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
@@ -112,9 +116,11 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
-        if self.max_cudagraph_capture_size is not None and self.enforce_eager:
-            raise ValueError("max_cudagraph_capture_size needs CUDA graphs, which enforce_eager disables; "
-                             "drop one of them")
+        for name in ("max_cudagraph_capture_size", "cudagraph_mode"):
+            if getattr(self, name) is not None and self.enforce_eager:
+                raise ValueError(f"{name} needs CUDA graphs, which enforce_eager disables; drop one of them")
+        if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}: choose one of {', '.join(CUDAGRAPH_MODES)}")
         check_model_dir(self.model, "model")
         if self.tokenizer is not None:
             check_model_dir(self.tokenizer, "tokenizer")
@@ -190,7 +196,8 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     enable_prefix_caching: bool = True
-    max_cudagraph_capture_size: int = 0  # largest decode batch captured in a CUDA graph; 0 = eager only
+    max_cudagraph_capture_size: int = 0  # largest step (tokens) captured in a CUDA graph; 0 = eager only
+    cudagraph_mode: str = "NONE"  # FULL | FULL_DECODE_ONLY | NONE (no graphs)
     async_scheduling: bool = False
     partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
     scheduling_policy: str = "fcfs"
@@ -236,9 +243,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_cudagraph_mode(args: EngineArgs, size: int, prov: Provenance) -> str:
+    """Which steps replay graphs, once the largest captured size is settled (0: none, so NONE)."""
+    if not size:
+        if args.cudagraph_mode is not None:
+            raise ValueError(f"cudagraph_mode={args.cudagraph_mode} needs CUDA graphs, and this engine captures "
+                             f"none ({prov.settings['max_cudagraph_capture_size'].reason}); drop it")
+        return prov.put("cudagraph_mode", "NONE", "no CUDA graphs")
+    if args.cudagraph_mode is not None:
+        return prov.put("cudagraph_mode", args.cudagraph_mode)
+    return prov.put("cudagraph_mode", "FULL", "decode-only steps and steps with a prefill chunk of up to "
+                                              "max_cudagraph_capture_size tokens replay graphs")
+
+
 def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provenance) -> int:
-    """Largest decode batch replayed from a CUDA graph; 0 means every step runs eagerly. Graphs exist on CUDA
-    alone: on CPU a kernel launch costs nothing that a graph would save."""
+    """Largest step (in tokens: a decode batch has one a request) replayed from a CUDA graph; 0 means every step
+    runs eagerly. Graphs exist on CUDA alone: on CPU a kernel launch costs nothing that a graph would save."""
     prov.put("enforce_eager", bool(args.enforce_eager))
     name, size = "max_cudagraph_capture_size", args.max_cudagraph_capture_size
     if size is not None:

@@ -12,7 +12,8 @@ from ladle.engine.core import EngineStepError
 from ladle.engine.output_processor import OutputProcessor
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.sampling_params import InvalidSamplingParam
-from ladle.worker.sampler import FAILED, Sampler, SamplingMetadata
+from ladle.worker.sampler import FAILED, Sampler
+from ladle.worker.sampling_batch import SamplingMetadata, sampling_metadata
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -31,10 +32,9 @@ def hostile(**fields) -> SamplingParams:
     return p
 
 
-def generate_tampered(llm: LLM, batch: list[dict], params: list[SamplingParams], bad: dict[int, dict],
-                      after_steps: int = 0) -> list:
+def generate_tampered(llm: LLM, batch: list[dict], params: list[SamplingParams], bad: dict[int, dict]) -> list:
     """llm.generate, except that the core requests of the prompts in `bad` get those fields changed after
-    they were made (and validated), once `after_steps` steps have run."""
+    they were made (and validated)."""
     ids, tampered = [], []
     for i, (p, sp) in enumerate(zip(batch, params)):
         rid = f"tampered-{random.random()}"
@@ -42,12 +42,32 @@ def generate_tampered(llm: LLM, batch: list[dict], params: list[SamplingParams],
         tampered += [(req, bad[i]) for req in reqs if i in bad]
         llm.engine.add_request(rid, None, p["prompt_token_ids"], sp, reqs)
         ids.append(rid)
-    for _ in range(after_steps):
-        llm.engine.step()
     for req, fields in tampered:
         for k, v in fields.items():
             setattr(req.sampling_params, k, v)
     return llm._run(ids, use_tqdm=False)
+
+
+def generate_poisoned(llm: LLM, batch: list[dict], params: list[SamplingParams], row: int, after_steps: int,
+                      rows: int) -> list:
+    """llm.generate, except that once `after_steps` steps have run, logits row `row` of every step sampling
+    `rows` rows is NaN (a model fault that hits one request mid-stream)."""
+    model = llm.engine.core.runner.model
+    steps = [0]
+    clean = model.compute_logits
+
+    def poisoned(hidden: torch.Tensor) -> torch.Tensor:
+        logits = clean(hidden)
+        if steps[0] >= after_steps and logits.shape[0] == rows:
+            logits[row] = float("nan")
+        steps[0] += 1
+        return logits
+
+    model.compute_logits = poisoned
+    try:
+        return llm.generate(batch, params, use_tqdm=False)
+    finally:
+        del model.compute_logits
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +77,8 @@ def llm(tiny_qwen3_dir: str) -> LLM:
 
 def _meta(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
     rows = len(params)
-    return SamplingMetadata(params, [torch.Generator().manual_seed(7 + i) for i in range(rows)],
-                            [[1, 2]] * rows, [[3]] * rows, [frozenset([vocab - 1])] * rows)
+    return sampling_metadata(params, vocab, prompts=[[1, 2]] * rows, outputs=[[3]] * rows,
+                             stops=[frozenset([vocab - 1])] * rows)
 
 
 def test_the_sampler_marks_unusable_rows_failed_and_samples_the_rest_unchanged():
@@ -83,8 +103,7 @@ def test_extreme_but_valid_values_still_sample():
     logits = torch.randn(3, 16) * 1e3
     params = [SamplingParams(temperature=1.0, repetition_penalty=2.0**-149, seed=1),
               SamplingParams(temperature=1e-5, seed=2), SamplingParams(temperature=0, repetition_penalty=2.0**-149)]
-    meta = SamplingMetadata(params, [torch.Generator().manual_seed(i) for i in range(3)], [[0, 1, 2]] * 3,
-                            [[3]] * 3, [frozenset()] * 3)
+    meta = sampling_metadata(params, 16, prompts=[[0, 1, 2]] * 3, outputs=[[3]] * 3)
     out = Sampler()(logits, meta)
     assert FAILED not in out.token_ids
     boosted = [t for t in range(4) if logits[2, t] > 0]
@@ -195,8 +214,7 @@ def test_a_failed_row_in_a_step_launched_ahead_ends_only_its_request(tiny_qwen3_
     params = [SamplingParams(temperature=0.8, seed=21 + i, max_tokens=16, ignore_eos=True) for i in range(3)]
     want = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     dropped = llm.stats.tokens_dropped
-    got = generate_tampered(llm, batch + [prompt(12, 50)], params + [params[0]], {3: {"top_p": 0.0}},
-                            after_steps=5)
+    got = generate_poisoned(llm, batch + [prompt(12, 50)], params + [params[0]], row=3, after_steps=5, rows=4)
     assert [o.outputs[0].token_ids for o in got[:3]] == want
     assert got[3].outputs[0].finish_reason == "error" and 3 <= len(got[3].outputs[0].token_ids) <= 6
     assert llm.stats.tokens_dropped > dropped  # the failed request's token in the step launched ahead

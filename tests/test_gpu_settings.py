@@ -14,6 +14,7 @@ from ladle import LLM, SamplingParams
 from ladle.engine.planner import MiB, PlanInputs, plan_memory
 from ladle.engine.profiling import ActivationModel
 from ladle.worker.cuda_graphs import DecodeGraphs
+from ladle.worker.mixed_graphs import MixedGraphs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -54,6 +55,14 @@ def test_cuda_graph_settings_on_cpu(tiny_qwen3_dir: str) -> None:
         LLM(tiny_qwen3_dir, max_cudagraph_capture_size=0)
     with pytest.raises(ValueError, match="load_format='pt'"):
         LLM(tiny_qwen3_dir, load_format="pt")
+    mode = llm.config.settings["cudagraph_mode"]
+    assert (mode.value, mode.source) == ("NONE", "derived")
+    with pytest.raises(ValueError, match="cudagraph_mode=FULL needs CUDA graphs"):
+        LLM(tiny_qwen3_dir, cudagraph_mode="FULL")
+    with pytest.raises(ValueError, match="cudagraph_mode='PIECEWISE': choose one of FULL, FULL_DECODE_ONLY"):
+        LLM(tiny_qwen3_dir, cudagraph_mode="PIECEWISE")
+    with pytest.raises(ValueError, match="cudagraph_mode needs CUDA graphs, which enforce_eager disables"):
+        LLM(tiny_qwen3_dir, cudagraph_mode="FULL_DECODE_ONLY", enforce_eager=True)
 
 
 def test_plan_reserves_graph_memory() -> None:
@@ -108,3 +117,48 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     assert llm.stats.steps_ahead >= 3
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
 
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp_path: Path,
+                                                         window: int | None) -> None:
+    """Steps with a prefill chunk go through MixedGraphs (eager replay of the padded buffers on CPU, in
+    Triton's interpreter as above): prompts prefilled in chunks beside decodes pad up to a token size, the
+    padding one more request that writes no KV, and the tokens equal the plain path's; with a sliding window
+    (a Mistral) the window reaches the graph's attention."""
+    pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
+    from ladle.attention.backends import TritonAttention
+    from ladle.demo import build_checkpoint
+    from ladle.models.ops import TritonOps, set_ops
+
+    path = tiny_qwen3_dir
+    if window is not None:
+        path = build_checkpoint(tmp_path / "mistral", "mistral", vocab_size=512, hidden_size=64,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                intermediate_size=128, max_position_embeddings=4096, sliding_window=window,
+                                seed=2)
+    batch = prompts(4, seed=9)
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = LLM(path, max_num_batched_tokens=32)
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
+    llm = LLM(path, max_num_batched_tokens=32)
+    runner = llm.engine.core.runner
+    set_ops(runner.model, TritonOps())
+    runner.backends = (TritonAttention(),)
+    mixed = MixedGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 32,
+                        llm.config.max_num_seqs, runner.device, runner.backends[0], runner.windows[0])
+    assert mixed.sizes == (16, 32) and mixed.bucket(17) == 32
+    used: list[tuple[int, int]] = []
+    real_run = mixed.run
+
+    def counting_run(step, *rest):
+        used.append((len(step.token_ids), len(step)))
+        return real_run(step, *rest)
+
+    mixed.run = counting_run
+    runner.mixed_graphs = mixed
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, short, use_tqdm=False)]
+    assert got == want
+    assert any(t not in mixed.sizes for t, _ in used)  # padded steps
+    assert any(n > 1 for _, n in used)  # a chunk beside other requests
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ladle.worker.inputs import ScheduledChunk, build_step_inputs, slot_mapping_for
+from ladle.worker import inputs
+from ladle.worker.inputs import ScheduledChunk, build_step_inputs
 
 
 def test_mixed_step_metadata():
@@ -28,8 +29,8 @@ def test_mixed_step_metadata():
 
 def test_chunk_boundary_on_block_edge():
     chunks = [ScheduledChunk(token_ids=[1] * 4, start_pos=4, block_ids=[3, 1, 8], sample=False)]
-    assert slot_mapping_for(chunks, 4) == [4, 5, 6, 7]
     inp = build_step_inputs(chunks, 4)
+    assert inp.attn.slot_mapping.tolist() == [4, 5, 6, 7]
     assert inp.attn.block_tables.tolist() == [[3, 1]]  # only blocks holding context after the step
     assert inp.logits_indices.tolist() == []
 
@@ -39,3 +40,26 @@ def test_too_few_blocks_is_an_error():
         build_step_inputs([ScheduledChunk([1, 2, 3], start_pos=3, block_ids=[0], sample=True)], 4)
     with pytest.raises(ValueError):
         build_step_inputs([], 4)
+
+
+def test_decode_steps_lay_out_alike_in_lists_and_in_arrays(monkeypatch):
+    """Decode-only steps up to DECODE_LISTS_MAX requests are laid out in Python lists, larger ones (and all
+    with a chunk) in numpy: both give the same inputs, with and without a kept table."""
+    chunks = [ScheduledChunk([10 + i], p, [(7 * i + b) % 50 for b in range(p // 4 + 1)], i != 2)
+              for i, p in enumerate([0, 3, 4, 9, 15, 16])]
+    tables = (torch.tensor([c.block_ids[0] + [0] * (5 - len(c.block_ids[0])) for c in chunks], dtype=torch.int32),)
+    for kept in (None, tables):
+        lists = build_step_inputs(chunks, 4, block_tables=kept)
+        monkeypatch.setattr(inputs, "DECODE_LISTS_MAX", 0)
+        arrays = build_step_inputs(chunks, 4, block_tables=kept)
+        monkeypatch.undo()
+        for a, b in ((lists, arrays), (lists.attn, arrays.attn)):
+            for name in ("input_ids", "positions", "logits_indices", "slot_mapping", "cu_seqlens_q",
+                         "context_lens", "block_tables"):
+                if hasattr(a, name):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert lists.sampled_rows == arrays.sampled_rows == (0, 1, 3, 4, 5)
+        assert lists.attn.context_lens_host == arrays.attn.context_lens_host == (1, 4, 5, 10, 16, 17)
+        assert lists.attn.slot_mapping.tolist()[3] == chunks[3].block_ids[0][2] * 4 + 1
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        build_step_inputs([ScheduledChunk([1], start_pos=8, block_ids=[0, 1], sample=True)], 4)

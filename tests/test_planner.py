@@ -60,7 +60,8 @@ def test_small_budget_derives_a_chunk_that_fits_and_refuses_one_that_does_not(ti
     inp, max_len = tiny_plan, 4096
     # Room for one 4096-token request's KV and a step of about 1536 tokens: a 2536-token prompt cannot go
     # in one pass.
-    budget = inp.weights + 8 * MiB + inp.blocks_for(max_len) * inp.block_bytes + inp.activation.predict(1536, max_len)
+    budget = (inp.weights + inp.reserved + 8 * MiB + inp.blocks_for(max_len) * inp.block_bytes
+              + inp.activation.predict(1536, max_len))
     llm = LLM(tiny_qwen3_dir, memory_budget=budget)
     cfg = llm.config
     assert cfg.settings["max_num_batched_tokens"].source == "derived"
@@ -84,7 +85,7 @@ def test_small_budget_derives_a_chunk_that_fits_and_refuses_one_that_does_not(ti
 
 def test_context_that_cannot_fit_is_derived_down_or_refused(tiny_qwen3_dir, tiny_plan):
     inp = tiny_plan
-    budget = inp.weights + 8 * MiB + inp.activation.predict(64, 1024) + 1000 * inp.kv_bytes_per_token
+    budget = inp.weights + inp.reserved + 8 * MiB + inp.activation.predict(64, 1024) + 1000 * inp.kv_bytes_per_token
     llm = LLM(tiny_qwen3_dir, memory_budget=budget, max_num_batched_tokens=64)
     setting = llm.config.settings["max_model_len"]
     assert setting.source == "derived" and 900 <= llm.config.max_model_len <= 1000

@@ -12,7 +12,7 @@ from ladle import LLM, SamplingParams
 from ladle.engine.memory import measure_peak
 from ladle.models.moe import SparseMoeBlock, route
 from ladle.worker.inputs import ScheduledChunk
-from ladle.worker.sampler import SamplingMetadata
+from ladle.worker.sampling_batch import sampling_metadata
 
 PROMPT_LENS = [1, 3, 17, 64, 150]
 NEW_TOKENS = 8
@@ -87,7 +87,7 @@ def test_a_step_with_every_token_on_the_same_experts_stays_within_the_plan(tmp_p
     core = llm.engine.core
     blocks = list(range(-(-2048 // core.config.block_size)))
     chunk = ScheduledChunk(_prompts([512], 5)[0], 2048 - 512, blocks, True)
-    meta = SamplingMetadata([SamplingParams(temperature=0)], [None], [chunk.token_ids], [[]], [frozenset()])
+    meta = sampling_metadata([SamplingParams(temperature=0)], 512, prompts=[chunk.token_ids])
     moe = [m for m in core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
     peaks = {}
     for force in (False, True):

@@ -40,5 +40,5 @@ def test_the_runner_needs_nothing_but_pickled_payloads(tiny_qwen3_dir):
     assert _run(llm, batch) == want
     assert llm.stats.num_preemptions > 0
     resumed = [n.request_id for u in seen for n in u.new_requests]
-    assert len(resumed) > len(set(resumed))  # preempted requests came back whole, with their generators
+    assert len(resumed) > len(set(resumed))  # preempted requests came back whole
     assert not runner.requests  # every finished request was forgotten

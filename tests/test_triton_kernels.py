@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 from ladle.attention import torch_ref as reference  # noqa: E402
 from ladle.attention import triton_attention as kernels  # noqa: E402
 from ladle.attention.metadata import AttentionMetadata  # noqa: E402
-from ladle.worker.inputs import ScheduledChunk, build_step_inputs, slot_mapping_for  # noqa: E402
+from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
@@ -198,11 +198,11 @@ def test_decode_graph_buffers_pad_without_side_effects() -> None:
     if ON_GPU:
         graphs.capture()
     assert graphs.sizes == (1, 2, 4) and graphs.bucket(3) == 4
-    assert not graphs.can_run([ScheduledChunk([1, 2], 0, [0], True)])
+    assert not graphs.can_run(StepBatch.of([ScheduledChunk([1, 2], 0, [0], True)]))
     chunks = DECODES + [ScheduledChunk([4], 12, TABLE_B, True)]  # three rows, padded to four
-    got = graphs.run(chunks)[:2].cpu()
+    got = graphs.run(StepBatch.of(chunks))[:2].cpu()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # a batch of 4 may pick other GEMM kernels
-    written = slot_mapping_for(chunks, PAGE)
+    written = build_step_inputs(chunks, PAGE).attn.slot_mapping
     for (k0, v0), (k1, v1) in zip(before, caches):
         for before_pool, after_pool in ((k0, k1), (v0, v1)):
             before_pool.view(-1, 2, 16)[written] = after_pool.view(-1, 2, 16)[written]

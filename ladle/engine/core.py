@@ -94,10 +94,14 @@ class EngineCore:
         self.graph_memory_bytes = 0
         if cfg.max_cudagraph_capture_size:
             start = time.perf_counter()
-            self.graph_memory_bytes = self.runner.capture_graphs(cfg.max_model_len, cfg.max_cudagraph_capture_size)
-            logger.info("captured CUDA graphs for decode batches up to %d in %.1f s: %.1f MiB (plan reserved "
-                        "%.1f MiB)", cfg.max_cudagraph_capture_size, time.perf_counter() - start,
-                        self.graph_memory_bytes / 2**20, cfg.plan.inputs.graph_bytes / 2**20)
+            mixed = min(cfg.max_cudagraph_capture_size, cfg.max_num_batched_tokens)
+            mixed = mixed if cfg.cudagraph_mode == "FULL" else 0
+            self.graph_memory_bytes = self.runner.capture_graphs(
+                cfg.max_model_len, min(cfg.max_cudagraph_capture_size, cfg.max_num_seqs), mixed, cfg.max_num_seqs)
+            logger.info("captured CUDA graphs for decode batches up to %d and steps with a prefill chunk up to %d "
+                        "tokens in %.1f s: %.1f MiB (plan reserved %.1f MiB)", cfg.max_cudagraph_capture_size,
+                        mixed, time.perf_counter() - start, self.graph_memory_bytes / 2**20,
+                        cfg.plan.inputs.graph_bytes / 2**20)
         self.stats = EngineStats()
         self.lender = (None if cfg.cpu_lending is None else
                        CpuLender(cfg.cpu_lending, torch.set_num_threads))  # reserved CPUs, borrowed while idle
@@ -188,7 +192,10 @@ class EngineCore:
             if pending is None:
                 result = self.executor.run(sched)
                 self._record(result.sched, (time.perf_counter() - start) * 1000)
-                self.scheduler.restart([r for r in map(self.scheduler.find, result.restarted) if r is not None])
+                restarted = [r for r in map(self.scheduler.find, result.restarted) if r is not None]
+                self.scheduler.restart(restarted)
+                for r in restarted:
+                    self.sync.forget(r.request_id)
                 failed = [self._end_with_error(f) for f in result.failures]
                 return self._end_step(sched, failed + self._update(result.sched, result.sampled))
         nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
@@ -218,7 +225,7 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        self.sync.finished(req.request_id)
+        self.sync.forget(req.request_id)
         self.executor.forget(req.request_id)
 
     def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:

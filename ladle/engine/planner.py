@@ -33,11 +33,12 @@ class PlanInputs:
     windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window (None: full attention)
     state_bytes: int = 0  # state layers' slots, one per running request (max_num_seqs x bytes per request)
     compressions: tuple[tuple[int, int], ...] = ()  # each group's (tokens per entry, block scale); () all (1, 1)
+    penalty_bytes: int = 0  # the sampler's penalty counts: a vocabulary-wide row per running request
 
     @property
     def reserved(self) -> int:
-        """Held for good beside the KV pool: CUDA graphs' pool and the state slots."""
-        return self.graph_bytes + self.state_bytes
+        """Held for good beside the KV pool: CUDA graphs' pool, the state slots and the penalty counts."""
+        return self.graph_bytes + self.state_bytes + self.penalty_bytes
 
     @property
     def margin(self) -> int:
@@ -135,6 +136,8 @@ class MemoryPlan:
             *(graphs if i.graph_bytes else []),
             *([f"state slots       {i.state_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} slots, one per running "
                f"request, {format_bytes(i.state_bytes // i.max_num_seqs)} each)"] if i.state_bytes else []),
+            *([f"penalty counts    {i.penalty_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} rows of the vocabulary, "
+               "allocated when a request with a penalty arrives)"] if i.penalty_bytes else []),
             f"margin            {i.margin / MiB:10.1f} MiB",
             f"headroom          {self.headroom / MiB:10.1f} MiB",
             f"activation model  {i.activation.describe()}",

@@ -7,6 +7,7 @@ attending to L - T cached tokens, and T decodes (up to max_num_seqs) each attend
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,9 +18,10 @@ from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.worker.inputs import ScheduledChunk
 from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-from ladle.worker.sampler import SamplingMetadata
+from ladle.worker.sampling_batch import SamplingMetadata, sampling_batch
 
 # The costliest sampling path: sorting for top-k/top-p, penalties over prompt and output, top-20 logprobs.
+# (The penalty counts themselves are reserved by the plan; a profiled step gathers its rows, as a real one.)
 _WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
                                presence_penalty=0.5, frequency_penalty=0.5, logprobs=20)
 
@@ -144,11 +146,11 @@ def _measure(
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:
         if kind == "prefill":
-            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True, 0)], _meta(1, ctx, vocab_size)
+            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True, 0)], _meta(1, ctx, vocab_size, device)
         else:
             chunks = [ScheduledChunk([0], ctx - 1, blocks, True, i) for i in range(n)]
-            meta = _meta(n, ctx, vocab_size)
-        return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta), device))
+            meta = _meta(n, ctx, vocab_size, device)
+        return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta()), device))
 
     points = [measure("prefill", t, ctx) for t in token_counts for ctx in sorted({t, max_context})]
     short = min(max_context, tile)
@@ -157,9 +159,9 @@ def _measure(
     return points
 
 
-def _meta(rows: int, history: int, vocab_size: int) -> SamplingMetadata:
+def _meta(rows: int, history: int, vocab_size: int, device: torch.device) -> Callable[[], SamplingMetadata]:
+    """The worst sampling batch, built beforehand; the step's own part of it is made inside the measurement."""
     prompt = [i % vocab_size for i in range(min(history, 4096))]
-    return SamplingMetadata(
-        params=[_WORST_PARAMS] * rows, generators=[None] * rows, prompt_token_ids=[prompt] * rows,
-        output_token_ids=[prompt[:64]] * rows, stop_token_ids=[frozenset()] * rows,
-    )
+    batch, positions, counts = sampling_batch([_WORST_PARAMS] * rows, vocab_size, device, prompts=[prompt] * rows,
+                                              outputs=[prompt[:64]] * rows)
+    return lambda: batch.step(positions, counts)

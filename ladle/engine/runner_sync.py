@@ -13,35 +13,38 @@ from ladle.worker.payload import NewRequest, RequestDiff, StateUpdate
 class _Sent:
     tokens: int  # leading tokens the runner has
     blocks: list[int]  # leading blocks of each group's table it has
-    tables: tuple[list[int], ...]  # the KV manager's table objects they came from (new ones: re-admitted)
+    tables: tuple[list[int], ...]  # the KV manager's table objects they came from
 
 
 class RunnerSync:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
-        self._finished: list[str] = []
+        self._removed: list[str] = []
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (any reason but preemption, which keeps the runner's copy for its return)."""
-        self._finished.append(request_id)
-        self._sent.pop(request_id, None)
+    def forget(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted or restarted): the runner is to forget it."""
+        if self._sent.pop(request_id, None) is not None:
+            self._removed.append(request_id)
 
     def flush(self) -> StateUpdate:
-        """Only who finished: sent when the engine goes idle, so the runner holds no ended request meanwhile."""
-        update, self._finished = StateUpdate(finished=self._finished), []
+        """Only who left: sent when the engine goes idle, so the runner holds no ended request meanwhile."""
+        update, self._removed = StateUpdate(removed=self._removed), []
         return update
 
     def update(self, sched: SchedulerOutput, kv: KVCacheManager) -> StateUpdate:
         """What the runner needs before it runs `sched`: the requests it does not hold (or holds with an old
-        table, after a preemption) in full, the others' new tokens and blocks, and who finished meanwhile."""
-        update = StateUpdate(finished=self._finished)
-        self._finished = []
+        table, after a preemption) in full, the others' new tokens and blocks, and who left meanwhile (the
+        requests this very schedule preempted among them)."""
+        for rid in sched.preempted_ids:
+            self.forget(rid)
+        update = StateUpdate(removed=self._removed)
+        self._removed = []
         groups = kv.groups
         for s in sched.scheduled:
             req, rid = s.request, s.request.request_id
             tokens = req.all_token_ids
             seen = self._sent.get(rid)
-            if seen is None or not _same_tables(groups, rid, seen.tables):
+            if seen is None:
                 tables = tuple(g.tables[rid] for g in groups)
                 update.new_requests.append(NewRequest(rid, list(tokens), req.num_prompt_tokens, req.sampling_params,
                                                       req.stop_token_ids, tuple(list(t) for t in tables),
@@ -61,8 +64,3 @@ class RunnerSync:
                 seen.blocks = [len(t) for t in seen.tables]
         return update
 
-
-def _same_tables(groups: list, rid: str, tables: tuple[list[int], ...]) -> bool:
-    """Whether the KV manager still holds the table objects the runner was sent (not after a preemption,
-    which replaces every group's table at once, so the first group's tells)."""
-    return groups[0].tables[rid] is tables[0]

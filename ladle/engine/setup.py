@@ -12,7 +12,7 @@ import torch
 
 from ladle.config import (
     EngineArgs, EngineConfig, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
-    resolve_cudagraph_size,
+    resolve_cudagraph_mode, resolve_cudagraph_size,
 )
 from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.engine import profile_cache
@@ -26,6 +26,7 @@ from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
+from ladle.worker.sampling_batch import PENALTY_BYTES_PER_TOKEN
 
 
 @dataclass
@@ -90,6 +91,14 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int,
     return 0, False
 
 
+def _graph_limit(prov: Provenance, graph_batch: int, why: str) -> int:
+    """No CUDA graphs for this model, and why; an explicit request for them is refused."""
+    for name in ("max_cudagraph_capture_size", "cudagraph_mode"):
+        if name in prov.explicit:
+            raise ValueError(f"{name} cannot be used with this model: {why}; drop it")
+    return prov.put("max_cudagraph_capture_size", 0, why)
+
+
 def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int) -> tuple[int, bool]:
     """What a tensor-parallel group does not do yet: launch a step ahead (the other ranks run each step as
     rank 0 sends it), or replay CUDA graphs (they would hold the collectives). Explicit requests are refused."""
@@ -114,7 +123,7 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
               for _ in layout.groups]
     backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
     return runner_cls(model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
-                      tuple(g.layers for g in layout.state_groups), layout.compressions, **extra)
+                      tuple(g.layers for g in layout.state_groups), layout.compressions, cfg.max_num_seqs, **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -176,9 +185,13 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
         graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
+    if len(layout.groups) > 1 and graph_batch:
+        graph_batch = _graph_limit(prov, graph_batch, f"{len(layout.groups)} KV cache groups (full and "
+                                   "sliding-window layers): the graphs hold one group's inputs")
     async_scheduling = bool(args.async_scheduling)
     if tp.world_size > 1:
         graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
+    graph_mode = resolve_cudagraph_mode(args, graph_batch, prov)
     backend, why = resolve_backend(device, args.attention_backend)
     prov.put("attention_backend", backend, why)
     for group in layout.groups:
@@ -187,12 +200,16 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend, tp)
     activation = fit_activation_model(points, args.max_num_seqs)
 
-    # A graph's pool holds one decode step's activations for good; the decode profile bounds it from above
-    # (it also counts sampling, which runs outside the graph).
+    # A graph's pool holds one step's activations for good, the largest captured step's (graphs share it):
+    # the decode profile bounds a decode graph's (it also counts sampling, which runs outside the graph), the
+    # prefill profile at the largest captured token count a mixed step's.
     graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
+    if graph_mode == "FULL":
+        graph_bytes = max(graph_bytes, activation.predict(graph_batch, context))
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
-                        args.max_num_seqs * layout.state_bytes_per_request, layout.compressions)
+                        args.max_num_seqs * layout.state_bytes_per_request, layout.compressions,
+                        args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
@@ -207,7 +224,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
-        max_cudagraph_capture_size=graph_batch, async_scheduling=async_scheduling,
+        max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
         settings=prov.settings, plan=plan, kv_layout=layout, cpu_lending=lending,
     )

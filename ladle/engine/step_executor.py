@@ -4,7 +4,8 @@
   alone. The KV of a retried step lands in the same slots, so nothing is lost and no output changes.
 - Any other exception: the step is split in halves and each half runs, recursively, so only a request that
   fails alone is ended; the others get the outputs they would have got without it.
-- Before any retry, seeded requests' generators are rewound, so their draws do not depend on the failure.
+- A seeded request's draw is a function of its seed and the position drawn (ladle.worker.sampling_batch), so
+  a retried step draws what the first attempt would have.
 - Models with a per-request state (Gated DeltaNet) advance it in place, so a step that failed after its
   forward began cannot simply run again. Its requests restart from their first token (as a preemption does:
   nothing generated is lost) and become suspects; a later step holding a suspect snapshots its requests'
@@ -71,8 +72,6 @@ class StepExecutor:
 
     def run(self, sched: SchedulerOutput) -> StepResult:
         rids = [s.request.request_id for s in sched.scheduled]
-        generators = self.runner.generators(rids)
-        states = [g.get_state() for g in generators]
         snapshot = (self.runner.snapshot_states(rids)
                     if self.runner.num_state_groups and not self.suspects.isdisjoint(rids) else None)
         while True:
@@ -84,8 +83,6 @@ class StepExecutor:
             except FatalStepError:
                 raise
             except _OOM as e:
-                for g, state in zip(generators, states):
-                    g.set_state(state)
                 if self._state_lost(snapshot):
                     return self._restart(sched, e)
                 retry = self._after_oom(sched, e)
@@ -97,8 +94,6 @@ class StepExecutor:
                         for s in sched.scheduled])
                 sched = retry
             except Exception as e:  # noqa: BLE001 -- whatever it is, it must not take the batch down
-                for g, state in zip(generators, states):
-                    g.set_state(state)
                 if self._state_lost(snapshot):
                     return self._restart(sched, e)
                 return self._isolate(sched, e)

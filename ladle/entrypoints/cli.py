@@ -9,7 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ladle.config import ATTENTION_BACKENDS
+from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
@@ -56,7 +56,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse KV of shared prompt prefixes (default on)")
     p.add_argument("--enforce-eager", action="store_true", default=S, help="CUDA: no CUDA graphs")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=S,
-                   help="CUDA: largest decode batch replayed from a graph (default min(512, max_num_seqs))")
+                   help="CUDA: largest step, in tokens, replayed from a graph (default min(512, max_num_seqs))")
+    p.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=S,
+                   help="CUDA: FULL replays decode-only steps and steps with a prefill chunk from graphs, "
+                        "FULL_DECODE_ONLY only decode-only steps (default FULL)")
     p.add_argument("--async-scheduling", action="store_true", default=S,
                    help="launch a decode step whose successor is certain before reading its tokens")
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
@@ -86,7 +89,7 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
-               "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
+               "cudagraph_mode", "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
                "tensor_parallel_size", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(

@@ -11,30 +11,48 @@ which is how the padding logic is tested without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ladle.attention.backends import AttentionBackend
 from ladle.attention.metadata import AttentionMetadata
-from ladle.worker.inputs import ScheduledChunk
+from ladle.worker.inputs import StepBatch, table_from_lists
 
 # Dense where batches are common, sparser above; each size costs one capture at startup.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 @dataclass
-class _Captured:
+class Captured:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # the graph's output buffer [batch, vocab], overwritten by every replay
+    output: torch.Tensor  # the graph's output buffer, overwritten by every replay
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool: Any = None) -> Captured:
+    """forward captured into a graph whose memory comes from `pool` (None: a new one; graph.graph.pool()
+    hands it on, so graphs replayed one at a time share their blocks)."""
+    # Warm up on a side stream first (lazy inits, Triton compiles, cuBLAS workspaces), as torch asks.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return Captured(graph, output)
 
 
 class DecodeGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
         max_model_len: int, max_batch: int, device: torch.device, backend: AttentionBackend,
+        window: int | None = None,
     ) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
-        self.backend = backend  # the model's one KV cache group's attention backend
+        self.backend, self.window = backend, window  # the model's one KV cache group's backend and window
         self.sizes = tuple(b for b in BATCH_SIZES if b < max_batch) + (max_batch,)
         n, self.width = max_batch, -(-max_model_len // block_size)
         # Static buffers: a graph reads them at fixed addresses, so each step copies its inputs in.
@@ -44,7 +62,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each, always
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[int, Captured] = {}
 
     @property
     def max_batch(self) -> int:
@@ -53,18 +71,18 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+    def can_run(self, batch: StepBatch) -> bool:
         """A decode-only step (every request one sampled token) within the largest captured batch."""
-        return 0 < len(chunks) <= self.max_batch and all(
-            len(c.token_ids) == 1 and c.sample and c.start_pos < self.width * self.block_size for c in chunks
-        )
+        return (0 < len(batch) <= self.max_batch and batch.is_decode_only
+                and max(batch.start_pos) < self.width * self.block_size)
 
     def _metadata(self, n: int, context_host: tuple[int, ...]) -> AttentionMetadata:
         # Host context lengths matter only to the CPU reference backend, which eager runs may use.
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], cu_seqlens_q=self.cu_seqlens_q[: n + 1],
             context_lens=self.context_lens[:n], block_tables=self.block_tables[:n],
-            query_lens=(1,) * n, context_lens_host=context_host, block_size=self.block_size, backend=self.backend,
+            query_lens=(1,) * n, context_lens_host=context_host, block_size=self.block_size, sliding_window=self.window,
+            backend=self.backend,
         )
 
     def _forward(self, n: int, context_host: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -73,73 +91,71 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every batch size, largest first, into one memory pool (smaller graphs reuse its blocks).
-        The buffers hold padding only (slot -1, context 0), so capture writes no KV and reads none."""
-        self._fill([], self.max_batch)
-        pool = None
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every batch size, largest first, into one memory pool (smaller graphs reuse its blocks);
+        returns the pool. The buffers hold padding only (slot -1, context 0), so capture writes no KV and
+        reads none."""
+        self._fill(StepBatch([], [], [], [], [], []), self.max_batch)
         for n in sorted(self.sizes, reverse=True):
-            # Warm up on a side stream first (lazy inits, Triton compiles, cuBLAS workspaces), as torch asks.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward(n)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(n)
-            pool = graph.pool()
-            self.graphs[n] = _Captured(graph, logits)
+            self.graphs[n] = capture_graph(lambda: self._forward(n), self.device, pool)
+            pool = self.graphs[n].graph.pool()
         torch.cuda.synchronize(self.device)
+        return pool
 
     def _fill(
-        self, chunks: list[ScheduledChunk], batch: int, table: torch.Tensor | None = None,
-        input_ids: torch.Tensor | None = None,
+        self, step: StepBatch, batch: int, table: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
     ) -> None:
-        """Copy a step's inputs into rows [0, len(chunks)) and padding into the rest, up to `batch` rows.
-        table: the step's host block table when the caller keeps one (else built from the chunks).
+        """Copy a step's inputs into rows [0, len(step)) and padding into the rest, up to `batch` rows.
+        table: the step's host block table when the caller keeps one (else built from the block id lists).
         input_ids: the input tokens already on the device (a step launched before its inputs were read)."""
-        n, bs = len(chunks), self.block_size
-        pad = batch - n
-        pos = [c.start_pos for c in chunks]
-        # One KV cache group: the engine keeps CUDA (and so graphs) to full-attention models with one group.
-        slots = [c.block_ids[0][p // bs] * bs + p % bs for c, p in zip(chunks, pos)]
-        pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
+        n, bs = len(step), self.block_size
+        pos = np.zeros(batch, dtype=np.int64)
+        pos[:n] = step.start_pos
         if table is None:
-            rows = [c.block_ids[0][: p // bs + 1] for c, p in zip(chunks, pos)]
-            width = max((len(r) for r in rows), default=1)
-            table = torch.tensor([r + [0] * (width - len(r)) for r in rows] or [[0]], dtype=torch.int32)
-        # Only the rows and columns this step reads are copied: the buffer spans max_model_len (8K blocks at
-        # 128K context); padding rows have context 0, and nothing past a context length is ever read.
-        rows_n, width = table.shape
+            # One KV cache group: the engine keeps CUDA (and so graphs) to full-attention models with one group.
+            host = table_from_lists([t[0] for t in step.block_ids], pos[:n] // bs + 1)
+        else:
+            host = table.numpy()
+        slots = np.full(batch, -1, dtype=np.int64)
+        slots[:n] = host[np.arange(n), pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs
+        context = np.zeros(batch, dtype=np.int32)
+        context[:n] = pos[:n] + 1
+        pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
 
-        def put(dst: torch.Tensor, values: list[int], fill: int) -> None:
-            host = torch.tensor(values + [fill] * pad, dtype=dst.dtype)
-            dst[:batch].copy_(host.pin_memory() if pin else host, non_blocking=True)
+        def put(dst: torch.Tensor, values: np.ndarray) -> None:
+            src = torch.from_numpy(values)
+            dst[: len(values)].copy_(src.pin_memory() if pin else src, non_blocking=True)
 
         if input_ids is None:
-            put(self.input_ids, [c.token_ids[0] for c in chunks], 0)
+            ids = np.zeros(batch, dtype=np.int64)
+            ids[:n] = step.token_ids
+            put(self.input_ids, ids)
         else:  # device to device, ordered after the step that produced them; padding rows only feed rows
             # whose logits are dropped, so their stale ids may stay
             self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        put(self.positions, pos, 0)
-        put(self.slot_mapping, slots, -1)
-        put(self.context_lens, [p + 1 for p in pos], 0)
-        self.block_tables[:rows_n, :width].copy_(table.pin_memory() if pin else table, non_blocking=True)
+        put(self.positions, pos)
+        put(self.slot_mapping, slots)
+        put(self.context_lens, context)
+        # Only the rows and columns this step reads are copied: the buffer spans max_model_len (8K blocks at
+        # 128K context); padding rows have context 0, and nothing past a context length is ever read.
+        rows_n, width = host.shape
+        self.block_tables[:rows_n, :width].copy_(torch.from_numpy(host).pin_memory() if pin else
+                                                 torch.from_numpy(host), non_blocking=True)
 
     @torch.inference_mode()
     def run(
-        self, chunks: list[ScheduledChunk], table: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+        self, step: StepBatch, table: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits [len(chunks), vocab] of a decode-only step. On the graph path the result is a view of
+        """fp32 logits [len(step), vocab] of a decode-only step. On the graph path the result is a view of
         the graph's output buffer: sample from it before the next step replays the graph."""
-        if not self.can_run(chunks):
+        if not self.can_run(step):
             raise ValueError("DecodeGraphs runs decode-only steps of at most max_batch requests")
-        batch = self.bucket(len(chunks))
-        self._fill(chunks, batch, table, input_ids)
+        n = len(step)
+        batch = self.bucket(n)
+        self._fill(step, batch, table, input_ids)
         captured = self.graphs.get(batch)
         if captured is None:
-            context = tuple(c.start_pos + 1 for c in chunks) + (0,) * (batch - len(chunks))
-            return self._forward(batch, context)[: len(chunks)]
+            context = tuple(p + 1 for p in step.start_pos) + (0,) * (batch - n)
+            return self._forward(batch, context)[:n]
         captured.graph.replay()
-        return captured.logits[: len(chunks)]
+        return captured.output[:n]

@@ -12,7 +12,7 @@ from ladle.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request the runner has not seen, or one coming back after preemption (which keeps its generator)."""
+    """A request the runner does not hold: new, or coming back after a preemption or a restart."""
 
     request_id: str
     token_ids: list[int]  # the prompt, then any tokens generated before a preemption
@@ -47,7 +47,8 @@ class StateUpdate:
 
     new_requests: list[NewRequest] = field(default_factory=list)
     diffs: list[RequestDiff] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # finished or aborted: the runner forgets them
+    # Finished, aborted, preempted or restarted: the runner forgets them (one that runs again comes back whole).
+    removed: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.new_requests or self.diffs or self.finished)
+        return bool(self.new_requests or self.diffs or self.removed)
