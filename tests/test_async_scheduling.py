@@ -1,7 +1,8 @@
 """Async scheduling: a decode step whose successor is certain launches it before reading its own tokens.
 Outputs must equal the synchronous engine's token for token, whatever happens in the step's shadow: length
-and stop-token finishes, aborts, new arrivals, preemption pressure, prefix hits, seeded sampling; and steps
-that need the host (logprobs, penalties, min_tokens) run synchronously."""
+and stop-token finishes, aborts, new arrivals, preemption pressure, prefix hits, seeded sampling, min_tokens
+(decided by the position drawn, known before the tokens are read); and steps that need the host (logprobs,
+penalties) run synchronously."""
 import random
 
 import pytest
@@ -105,13 +106,27 @@ def test_steps_that_need_the_host_run_synchronously(pair: tuple[LLM, LLM]) -> No
     batch = prompts(3, seed=6)
     host_bound = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
-                  SamplingParams(temperature=0, max_tokens=10, min_tokens=10)]
+                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=0.4)]
     before = ahead.stats.steps_ahead
     got = ahead.generate(batch, host_bound, use_tqdm=False)
     want = sync.generate(batch, host_bound, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert got[0].outputs[0].logprobs is not None
     assert ahead.stats.steps_ahead == before
+
+
+def test_min_tokens_steps_launch_ahead_and_hold_stops_back_alike(pair: tuple[LLM, LLM]) -> None:
+    sync, ahead = pair
+    batch = prompts(3, seed=8)
+    free = sync.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].token_ids[2]  # the first request would stop at its third token
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=8, stop_token_ids=[stop], ignore_eos=True)
+    before = ahead.stats.steps_ahead
+    got = ahead.generate(batch, params, use_tqdm=False)
+    want = sync.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(want[0].outputs[0].token_ids) >= 8 and stop not in want[0].outputs[0].token_ids[:8]
+    assert ahead.stats.steps_ahead > before
 
 
 def test_out_of_memory_in_a_launched_step_falls_back_to_the_synchronous_path(

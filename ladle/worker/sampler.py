@@ -173,10 +173,12 @@ def _sorted_weights(vals: torch.Tensor, f: Filters, lse_full: torch.Tensor | Non
         # Threshold on the k-th value, so ties with it survive (as in vLLM and HF).
         kth = vals.gather(1, (f.top_k - 1).clamp(max=vals.shape[1] - 1))
         vals = vals.masked_fill(vals < kth, _NEG_INF)
-    lse = vals.logsumexp(dim=-1, keepdim=True)
-    if lse_full is not None:
+    if lse_full is None:
+        weights = vals.softmax(dim=-1)
+    else:
+        lse = vals.logsumexp(dim=-1, keepdim=True)
         lse = lse_full if f.has_top_k is None else torch.where(f.has_top_k, lse, lse_full)
-    weights = (vals - lse).exp()
+        weights = (vals - lse).exp()
     if f.top_p is not None:
         # Drop a token once the mass strictly before it already reaches top_p; the top token always has zero
         # mass before it. Rows without top_p hold 2 there, out of rounding noise's reach.

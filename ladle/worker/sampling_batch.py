@@ -25,22 +25,32 @@ _MASK64 = (1 << 64) - 1
 _BELOW_ONE = 1.0 - 2.0**-20
 
 
+_U = np.uint64
+_SHIFTS, _MULTS = (_U(30), _U(27), _U(31)), (_U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB))
+_GOLDEN, _POSITION, _TOP53 = _U(0x9E3779B97F4A7C15), _U(0xD1B54A32D192ED03), _U(11)
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 arrays (array arithmetic wraps silently, as the hash needs)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """splitmix64's finalizer, in place on a uint64 array (array arithmetic wraps silently, as it needs)."""
+    z ^= z >> _SHIFTS[0]
+    z *= _MULTS[0]
+    z ^= z >> _SHIFTS[1]
+    z *= _MULTS[1]
+    z ^= z >> _SHIFTS[2]
+    return z
 
 
 def seed_keys(seeds: np.ndarray) -> np.ndarray:
     """Each uint64 seed's hash key (counter_uniforms' first half: once per batch, not per step)."""
-    return _mix(seeds + np.uint64(0x9E3779B97F4A7C15))
+    return _mix(seeds + _GOLDEN)
 
 
 def counter_uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Uniforms in [0, 1), one per (seed key, position) pair, as float64 with 53 random bits."""
-    z = _mix(keys ^ (positions.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    z = positions.astype(np.uint64)
+    z *= _POSITION
+    z ^= keys
+    return (_mix(z) >> _TOP53) * 2.0**-53
 
 
 def penalized(p: SamplingParams) -> bool:
@@ -178,23 +188,25 @@ class SamplingBatch:
 
     @property
     def needs_positions(self) -> bool:
-        """Whether step() reads the positions (random draws, min_tokens): else it may get None."""
-        return bool(self.num_random or self.min_tokens)
+        """Whether step() reads the positions (seeded draws, min_tokens): else it may get None."""
+        return bool(self.any_seeded or self.min_tokens)
 
     def step(self, positions: np.ndarray | None, counts: "PenaltyCounts | None" = None) -> SamplingMetadata:
         """This step's metadata; positions: [rows] int64, the position of the token each row draws (tokens
         the request holds before it, prompt included)."""
         uniforms = None
         if self.num_random:
-            assert positions is not None
-            rand_pos = positions if self.random_rows is None else positions[self._random_host]
-            if self.all_seeded:
-                u = counter_uniforms(self.seed_keys, rand_pos)
-            else:
-                u = torch.rand(self.num_random, dtype=torch.float64).numpy()
-                if self.any_seeded:
+            if self.any_seeded:
+                assert positions is not None
+                rand_pos = positions if self.random_rows is None else positions[self._random_host]
+                if self.all_seeded:
+                    u = counter_uniforms(self.seed_keys, rand_pos)
+                else:
+                    u = torch.rand(self.num_random, dtype=torch.float64).numpy()
                     u[self.seeded] = counter_uniforms(self.seed_keys[self.seeded], rand_pos[self.seeded])
-            host = torch.from_numpy(u * _BELOW_ONE)
+                host = torch.from_numpy(u * _BELOW_ONE)
+            else:
+                host = torch.rand(self.num_random, dtype=torch.float64).mul_(_BELOW_ONE)
             uniforms = (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
         blocked = None
         if self.min_tokens:
