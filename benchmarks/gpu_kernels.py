@@ -39,21 +39,27 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
 
     for b in batches:
         chunks = [ScheduledChunk([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
-        row: dict[str, Any] = {}
-        with torch.inference_mode():
-            for name, fn in (("eager", eager), ("graph", lambda c: graphs.run(StepBatch.of(c)))):
-                fn(chunks)
-                sync(ec.device)
-                t1 = time.perf_counter()
-                for _ in range(20):
-                    logits = fn(chunks)
-                sync(ec.device)
-                row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
-                row[f"{name}_logits"] = logits.float().clone()
-        diff = (row.pop("graph_logits") - row.pop("eager_logits")).abs()
-        speedup = round(row["eager_ms"] / row["graph_ms"], 2)
-        res[f"batch{b}"] = dict(row, max_abs_logit_diff=float(diff.max()), speedup=speedup)
+        res[f"batch{b}"] = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c)), ec.device,
+                                           "max_abs_logit_diff")
     return res
+
+
+def _eager_vs_graph(chunks: list, eager: Callable, graph: Callable, device: torch.device, diff_name: str) -> dict:
+    """Each path's step time (20 steps after one warm-up) and the largest difference of their outputs."""
+    row: dict[str, Any] = {}
+    outputs = {}
+    with torch.inference_mode():
+        for name, fn in (("eager", eager), ("graph", graph)):
+            fn(chunks)
+            sync(device)
+            t1 = time.perf_counter()
+            for _ in range(20):
+                out = fn(chunks)
+            sync(device)
+            row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
+            outputs[name] = out.float().clone()
+    row[diff_name] = float((outputs["graph"] - outputs["eager"]).abs().max())
+    return dict(row, speedup=round(row["eager_ms"] / row["graph_ms"], 2))
 
 
 def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) -> dict:
@@ -88,20 +94,10 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     for decodes, chunk in steps:
         chunks = [ScheduledChunk([i + 1], context, table(i), True) for i in range(decodes)]
         chunks.append(ScheduledChunk(list(range(1, chunk + 1)), context, table(decodes), True))
-        row: dict[str, Any] = {"tokens": decodes + chunk, "graph_size": graphs.bucket(decodes + chunk)}
-        with torch.inference_mode():
-            for name, fn in (("eager", eager), ("graph", lambda c: graphs.run(StepBatch.of(c)))):
-                fn(chunks)
-                sync(ec.device)
-                t1 = time.perf_counter()
-                for _ in range(20):
-                    hidden = fn(chunks)
-                sync(ec.device)
-                row[f"{name}_ms"] = round((time.perf_counter() - t1) * 50, 3)
-                row[f"{name}_hidden"] = hidden.float().clone()
-        diff = (row.pop("graph_hidden") - row.pop("eager_hidden")).abs()
-        res[f"decodes{decodes}_chunk{chunk}"] = dict(row, max_abs_hidden_diff=float(diff.max()),
-                                                     speedup=round(row["eager_ms"] / row["graph_ms"], 2))
+        row = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c)), ec.device,
+                              "max_abs_hidden_diff")
+        res[f"decodes{decodes}_chunk{chunk}"] = dict(row, tokens=decodes + chunk,
+                                                     graph_size=graphs.bucket(decodes + chunk))
     return res
 
 

@@ -110,7 +110,7 @@ def compare(before: str, rounds: int, batches: list[int], context: int, vocab: i
 def markdown(result: dict, batches: list[int], context: int, vocab: int, kinds: list[str], rounds: int,
              before: str) -> list[str]:
     lines = [f"Vocabulary {vocab:,}, context {context:,}: ms per step (median of {rounds} rounds; before: "
-             f"`{before}`)", "", "| requests | " + " | ".join(f"{b} decodes before / after (ratio)" for b in batches)
+             f"`{before}`)", "", "| requests | " + " | ".join(f"batch {b}: before / after (ratio)" for b in batches)
              + " |", "|---|" + "---:|" * len(batches)]
     for k in kinds:
         cells = [f"{result['before'][k][b]:.2f} / {result['after'][k][b]:.2f} "

@@ -95,7 +95,7 @@ class EngineCore:
         if cfg.max_cudagraph_capture_size:
             start = time.perf_counter()
             mixed = min(cfg.max_cudagraph_capture_size, cfg.max_num_batched_tokens)
-            mixed = mixed if cfg.cudagraph_mode == "FULL" else 0
+            mixed = mixed if cfg.cudagraph_mode == "FULL" and mixed > 1 else 0  # a step of 1 token is a decode
             self.graph_memory_bytes = self.runner.capture_graphs(
                 cfg.max_model_len, min(cfg.max_cudagraph_capture_size, cfg.max_num_seqs), mixed, cfg.max_num_seqs)
             logger.info("captured CUDA graphs for decode batches up to %d and steps with a prefill chunk up to %d "
