@@ -9,7 +9,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ladle import LLM, SamplingParams
-from ladle.worker.sampling_batch import PenaltyCounts
+from ladle.worker.penalty_counts import PenaltyCounts
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-from ladle.worker.sampling_batch import PENALTY_BYTES_PER_TOKEN
+from ladle.worker.penalty_counts import PENALTY_BYTES_PER_TOKEN
 
 
 @dataclass

@@ -30,6 +30,14 @@ class Captured:
     output: torch.Tensor  # the graph's output buffer, overwritten by every replay
 
 
+def fill(dst: torch.Tensor, values: np.ndarray) -> None:
+    """values into the leading rows (and columns) of a graph's static buffer; from pinned memory on CUDA, so
+    the copy is a true async DMA."""
+    src = torch.from_numpy(values)
+    view = dst[: values.shape[0], : values.shape[1]] if values.ndim == 2 else dst[: len(values)]
+    view.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
+
+
 def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, pool: Any = None) -> Captured:
     """forward captured into a graph whose memory comes from `pool` (None: a new one; graph.graph.pool()
     hands it on, so graphs replayed one at a time share their blocks)."""
@@ -120,27 +128,19 @@ class DecodeGraphs:
         slots[:n] = host[np.arange(n), pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs
         context = np.zeros(batch, dtype=np.int32)
         context[:n] = pos[:n] + 1
-        pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
-
-        def put(dst: torch.Tensor, values: np.ndarray) -> None:
-            src = torch.from_numpy(values)
-            dst[: len(values)].copy_(src.pin_memory() if pin else src, non_blocking=True)
-
         if input_ids is None:
             ids = np.zeros(batch, dtype=np.int64)
             ids[:n] = step.token_ids
-            put(self.input_ids, ids)
+            fill(self.input_ids, ids)
         else:  # device to device, ordered after the step that produced them; padding rows only feed rows
             # whose logits are dropped, so their stale ids may stay
             self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        put(self.positions, pos)
-        put(self.slot_mapping, slots)
-        put(self.context_lens, context)
+        fill(self.positions, pos)
+        fill(self.slot_mapping, slots)
+        fill(self.context_lens, context)
         # Only the rows and columns this step reads are copied: the buffer spans max_model_len (8K blocks at
         # 128K context); padding rows have context 0, and nothing past a context length is ever read.
-        rows_n, width = host.shape
-        self.block_tables[:rows_n, :width].copy_(torch.from_numpy(host).pin_memory() if pin else
-                                                 torch.from_numpy(host), non_blocking=True)
+        fill(self.block_tables, host)
 
     @torch.inference_mode()
     def run(

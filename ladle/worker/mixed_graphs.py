@@ -19,7 +19,7 @@ import torch
 
 from ladle.attention.backends import AttentionBackend
 from ladle.attention.metadata import AttentionMetadata
-from ladle.worker.cuda_graphs import Captured, capture_graph
+from ladle.worker.cuda_graphs import Captured, capture_graph, fill
 from ladle.worker.inputs import StepBatch, slot_mapping, table_from_lists, token_layout
 
 # Each size costs one capture at startup; steps above the largest run eagerly (they are compute-bound).
@@ -109,17 +109,10 @@ class MixedGraphs:
             context[n] = pad
         table_rows = np.zeros((n + 1, max(rows.shape[1], -(-pad // bs), 1)), dtype=np.int32)
         table_rows[:n, : rows.shape[1]] = rows
-        pin = self.device.type == "cuda"  # pinned host memory makes the copies true async DMAs
-
-        def put(dst: torch.Tensor, values: np.ndarray) -> None:
-            src = torch.from_numpy(values)
-            view = dst[: values.shape[0], : values.shape[1]] if values.ndim == 2 else dst[: len(values)]
-            view.copy_(src.pin_memory() if pin else src, non_blocking=True)
-
         for dst, values in ((self.input_ids, ids), (self.positions, positions), (self.slot_mapping, slots),
                             (self.cu_seqlens_q, full_cu), (self.context_lens, context),
                             (self.block_tables, table_rows)):
-            put(dst, values)
+            fill(dst, values)
         query_lens = tuple(np.diff(full_cu).tolist())
         return query_lens, tuple(context.tolist())
 

@@ -20,7 +20,8 @@ from ladle.worker.mixed_graphs import MixedGraphs
 from ladle.worker.payload import ChunkSpec, StateUpdate
 from ladle.worker.runner_requests import RunnerRequests
 from ladle.worker.sampler import Sampler, SamplerOutput
-from ladle.worker.sampling_batch import PenaltyCounts, SamplingBatch, SamplingMetadata
+from ladle.worker.penalty_counts import PenaltyCounts
+from ladle.worker.sampling_batch import SamplingBatch, SamplingMetadata
 from ladle.worker.step_buffers import StepBuffers
 
 

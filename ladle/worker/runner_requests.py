@@ -15,7 +15,8 @@ from ladle.sampling_params import SamplingParams
 from ladle.worker.block_table import BlockTableBuffer
 from ladle.worker.inputs import StepBatch
 from ladle.worker.payload import ChunkSpec, StateUpdate
-from ladle.worker.sampling_batch import PenaltyCounts, penalized
+from ladle.worker.penalty_counts import PenaltyCounts
+from ladle.worker.sampling_batch import penalized
 
 
 @dataclass
