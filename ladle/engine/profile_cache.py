@@ -15,8 +15,9 @@ import json
 import logging
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -53,15 +54,75 @@ def profile_key(hf_config: Any, dtype: torch.dtype, device: torch.device, **shap
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def load(key: str) -> list[ProfilePoint] | None:
+Shape = tuple[str, int, int]  # (kind, num_tokens, context), as profiling.profile_shapes lists them
+
+_FIELDS = ("kind", "num_tokens", "context", "peak")
+
+
+def _shape(s: Shape) -> str:
+    return f"{s[0]} {s[1]}@{s[2]}"
+
+
+def _reject_constant(name: str) -> Any:
+    # json accepts NaN and Infinity by default; no measured peak is either.
+    raise ValueError(f"{name} is not a measured value")
+
+
+def check_entry(raw: Any, expected: Sequence[Shape], max_peak: int) -> list[ProfilePoint]:
+    """The points of a decoded entry, or ValueError saying what is wrong. A well-formed but wrong entry
+    otherwise fails far from here (an IndexError in the fit, a torch assert on NaN, a planner error on an
+    absurd peak) on every start, so each point is held to exactly what this start would measure."""
+    if not isinstance(raw, dict) or set(raw) != {"points"} or not isinstance(raw["points"], list):
+        raise ValueError('not an object {"points": [...]}')
+    points = []
+    for i, p in enumerate(raw["points"]):
+        if not isinstance(p, dict) or set(p) != set(_FIELDS):
+            got = sorted(p) if isinstance(p, dict) else type(p).__name__
+            raise ValueError(f"point {i} has {got}, not the fields {'/'.join(_FIELDS)}")
+        if not isinstance(p["kind"], str) or p["kind"] not in ("prefill", "decode"):
+            raise ValueError(f"point {i} has kind {p['kind']!r}, not 'prefill' or 'decode'")
+        for name in ("num_tokens", "context"):
+            if type(p[name]) is not int:  # bool is an int subclass, and 5.0 or 1e18 decode as floats
+                raise ValueError(f"point {i} has {name} {p[name]!r}, not an integer")
+        shape = _shape((p["kind"], p["num_tokens"], p["context"]))
+        if type(p["peak"]) is not int:
+            raise ValueError(f"peak of {shape} is {p['peak']!r}, not an integer")
+        if not 0 <= p["peak"] <= max_peak:
+            raise ValueError(f"peak of {shape} is {p['peak']}, outside 0..{max_peak} (the device's memory)")
+        points.append(ProfilePoint(**p))
+    # A multiset: the expected list may itself repeat a shape, and any other repeat is an extra point.
+    have, want = Counter((p.kind, p.num_tokens, p.context) for p in points), Counter(expected)
+    if have != want:
+        missing, extra = sorted((want - have).elements()), sorted((have - want).elements())
+        parts = ([f"missing {', '.join(map(_shape, missing))}"] if missing else []) + \
+                ([f"unexpected {', '.join(map(_shape, extra))}"] if extra else [])
+        raise ValueError("not the profiled shapes: " + "; ".join(parts))
+    return points
+
+
+def _discard(path: Path, problem: str) -> None:
+    logger.warning("profile cache entry %s is %s; discarded, profiling again", path, problem)
+    try:
+        path.unlink()
+    except OSError:
+        pass  # at worst the next start finds it again, says so again, and the fresh store replaces it
+
+
+def load(key: str, expected: Sequence[Shape], max_peak: int) -> list[ProfilePoint] | None:
+    """The cached points for key, or None (profile again): absent, unreadable or not what this start would
+    measure, in which case the file is named in a warning and deleted so that it cannot fail another start."""
     path = cache_dir() / f"{key}.json"
     try:
-        raw = json.loads(path.read_text())
-        return [ProfilePoint(**p) for p in raw["points"]]
+        raw = json.loads(path.read_text(), parse_constant=_reject_constant)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("ignoring the unreadable profile cache entry %s (%s); profiling again", path, e)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad JSON and bad UTF-8
+        _discard(path, f"unreadable ({e})")
+        return None
+    try:
+        return check_entry(raw, expected, max_peak)
+    except ValueError as e:
+        _discard(path, f"invalid ({e})")
         return None
 
 

@@ -127,6 +127,18 @@ def profile_points(
     return points
 
 
+def profile_shapes(token_counts: list[int], max_context: int, decode_rows: list[int],
+                   tile: int = CONTEXT_TILE) -> list[tuple[str, int, int]]:
+    """The (kind, num_tokens, context) of every point profile_points measures, in its order. One function for
+    the measurement and for checking a cached entry, so the two cannot drift apart. The list may repeat a
+    shape (few rows and max_context <= tile): the decode fit needs two points, so it is kept, not merged."""
+    shapes = [("prefill", t, ctx) for t in token_counts for ctx in sorted({t, max_context})]
+    short = min(max_context, tile)
+    shapes += [("decode", d, short) for d in decode_rows]
+    shapes.append(("decode", min(4, *decode_rows), max_context))
+    return shapes
+
+
 def _measure(
     model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
     max_context: int, decode_rows: list[int], tile: int, attention_backend: str | None,
@@ -152,11 +164,7 @@ def _measure(
             meta = _meta(n, ctx, vocab_size, device)
         return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta()), device))
 
-    points = [measure("prefill", t, ctx) for t in token_counts for ctx in sorted({t, max_context})]
-    short = min(max_context, tile)
-    points += [measure("decode", d, short) for d in decode_rows]
-    points.append(measure("decode", min(4, *decode_rows), max_context))
-    return points
+    return [measure(kind, n, ctx) for kind, n, ctx in profile_shapes(token_counts, max_context, decode_rows, tile)]
 
 
 def _meta(rows: int, history: int, vocab_size: int, device: torch.device) -> Callable[[], SamplingMetadata]:

@@ -19,7 +19,7 @@ from ladle.engine import profile_cache
 from ladle.engine.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.engine.partial_prefill import resolve_partial_prefills
 from ladle.engine.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
-from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points
+from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
 from ladle.attention.backends import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
@@ -55,7 +55,9 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
                                     token_counts=token_counts, rows=rows, attention_backend=backend,
                                     tensor_parallel=(tp.rank, tp.world_size))
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
-    cached = profile_cache.load(key) if use_cache else None
+    # A measured peak can never exceed the device's memory, so that bounds a cached one.
+    cached = profile_cache.load(key, profile_shapes(token_counts, context, rows),
+                                total_memory_bytes(device)) if use_cache else None
     if tp.all_min([cached is not None])[0] == 0:
         cached = None
     if cached is not None:
