@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ladle.engine.stop_strings import StopMatcher
 from ladle.outputs import Logprob
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -30,20 +31,22 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Any,
         prompt_token_ids: Sequence[int],
-        stop: Sequence[str],
+        stop: Sequence[str] | StopMatcher,
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         *,
         min_tokens: int = 0,
     ) -> None:
+        """stop: the stop strings, or a StopMatcher built from them, which the n choices of one request
+        share (it is immutable); an empty stop string would match at once, so it means nothing."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        # An empty stop string would match at once; it can only be a user slip, so it means nothing.
-        self._stop = [s for s in stop if s]
+        matcher = stop if isinstance(stop, StopMatcher) else StopMatcher(stop)
+        self._stop_scanner = matcher.scanner() if matcher.max_len else None
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         # Streaming holds back as many chars as could still grow into a stop string.
-        self._stream_holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._stream_holdback = max(matcher.max_len, 1) - 1
 
         self.output_text = ""
         self.num_output_tokens = 0
@@ -121,24 +124,19 @@ class IncrementalDetokenizer:
             return None
         old_len = len(self.output_text)
         self.output_text += delta
-        # vLLM semantics: stop strings are ignored until more than min_tokens tokens were generated.
-        if self._stop and self.num_output_tokens > self._min_tokens:
-            return self._check_stop(old_len)
-        return None
-
-    def _check_stop(self, old_len: int) -> str | None:
+        if self._stop_scanner is None:
+            return None
         # Only a match that ends inside the new text is new; it may start in older text (spanning tokens).
         # The match that is complete first wins (then the longer one), so the result does not depend on
-        # how many tokens each update brought.
-        best: tuple[int, int, str] | None = None
-        for s in self._stop:
-            i = self.output_text.find(s, max(0, old_len - len(s) + 1))
-            if i != -1 and (best is None or (i + len(s), i) < best[:2]):
-                best = (i + len(s), i, s)
-        if best is None:
+        # how many tokens each update brought. vLLM semantics: stop strings are ignored until more than
+        # min_tokens tokens were generated; the ignored text is still scanned, as a match may start in it.
+        hit = self._stop_scanner.feed(delta, report=self.num_output_tokens > self._min_tokens)
+        if hit is None:
             return None
-        _, i, s = best
-        self.output_text = self.output_text[: i + len(s) if self._include_stop else i]
+        end = old_len + hit[0]
+        i = end - hit[1]
+        s = self.output_text[i:end]
+        self.output_text = self.output_text[: end if self._include_stop else i]
         self.stop_str = s
         self.finished = True
         return s

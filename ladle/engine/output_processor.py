@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
+from ladle.engine.stop_strings import StopMatcher
 from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams
 
@@ -33,9 +34,10 @@ class OutputProcessor:
         child_ids: list[str],
     ) -> None:
         out = RequestOutput(request_id, prompt, prompt_token_ids)
+        stop = StopMatcher(params.stop)  # built once, shared by the n children
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
+                self.tokenizer, prompt_token_ids, stop, params.include_stop_str_in_output,
                 params.skip_special_tokens, min_tokens=params.min_tokens,
             )
             self.children[child_id] = _Child(request_id, index, detok)
