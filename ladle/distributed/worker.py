@@ -52,6 +52,7 @@ def serve_steps(conn: Connection, runner: ModelRunner) -> None:
 def main(fd: int, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     conn = Connection(fd)
     args, explicit, rank, world_size, store_port, log_level = conn.recv()
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -166,7 +167,11 @@ class AsyncEngineClient:
         if self.supervisor.stopping or self.closed:
             return EngineUnavailableError("the server is shutting down", "server_shutting_down")
         if self.state is EngineState.FAILED:
-            return EngineUnavailableError(f"the engine failed and will not be restarted: {self.failure_reason}",
+            at = self.supervisor.next_restart_at
+            when = f"in {max(0.0, at - time.monotonic()):.0f} s" if at is not None else "now"
+            limit = self.supervisor.config.max_consecutive_failures
+            return EngineUnavailableError(f"the engine failed {limit} or more times in a row; the server tries "
+                                          f"again {when}. Last failure: {self.failure_reason}",
                                           "engine_dead")
         if self.state is EngineState.STARTING:
             return EngineUnavailableError("the engine is starting; retry shortly", "engine_starting")

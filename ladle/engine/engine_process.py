@@ -11,12 +11,21 @@ The API process talks to it over one duplex multiprocessing Pipe. Messages are p
 
 A pipe, not a multiprocessing.Queue: a process killed while holding a Queue's lock can wedge the other side,
 while a dead pipe peer reads as EOF, which is exactly the death signal the supervisor needs.
+
+An input thread reads the pipe and answers pings itself, with the gauges of the last step and how long the
+current one has run, so /health answers in milliseconds however long a step takes (an 8K-token CPU step runs
+5 s). Torch ops and the C kernels release the GIL, and a Python-bound step yields it every switch interval.
+The other messages queue for the loop, which applies them between steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import queue
 import signal
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -56,6 +65,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_steps: int = 0
     steps_with_lent_cpus: int = 0
+    step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property
     def kv_usage(self) -> float:
@@ -72,6 +82,10 @@ class EngineLoop:
         self.core = core
         self.conn = conn
         self.max_queue_len = max_queue_len
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # the loop and the input thread both send
+        self._gauges = EngineSnapshot()  # as of the last step or message, for pongs
+        self._step_started: float | None = None
 
     def snapshot(self) -> EngineSnapshot:
         core, stats = self.core, self.core.stats
@@ -85,27 +99,63 @@ class EngineLoop:
             num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
         )
 
+    def send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
     def run(self) -> None:
+        self._gauges = self.snapshot()
+        threading.Thread(target=self._receive, name="ladle-engine-input", daemon=True).start()
         while True:
-            if not self.core.has_unfinished_requests():
-                # Idle: sleep until the API sends something (no busy spin), waking once a window to keep the
-                # lender's reading of the CPUs' load current.
-                lender = self.core.lender
-                while lender is not None and not self.conn.poll(WINDOW_S):
-                    lender.observe()
-                if not self._handle(self.conn.recv()):
-                    return
+            if not self.core.has_unfinished_requests() and not self._handle(self._wait_idle()):
+                return
             # Bounded, so a flood of messages cannot starve the requests already running.
             for _ in range(_MAX_MESSAGES_PER_STEP):
-                if not self.conn.poll():
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
                     break
-                if not self._handle(self.conn.recv()):
+                if not self._handle(msg):
                     return
             if self.core.has_unfinished_requests():
-                outputs = self.core.step()
+                self._step_started = time.monotonic()
+                try:
+                    outputs = self.core.step()
+                finally:
+                    self._step_started = None
                 self._account(outputs)
+                self._gauges = self.snapshot()
                 if outputs:
-                    self.conn.send(("outputs", outputs, self.snapshot()))
+                    self.send(("outputs", outputs, self._gauges))
+            else:
+                self._gauges = self.snapshot()
+
+    def _wait_idle(self) -> tuple:
+        """Sleep until the API sends something (no busy spin), waking once a window to keep the lender's
+        reading of the CPUs' load current."""
+        lender = self.core.lender
+        while lender is not None:
+            try:
+                return self._inbox.get(timeout=WINDOW_S)
+            except queue.Empty:
+                lender.observe()
+        return self._inbox.get()
+
+    def _receive(self) -> None:
+        """The input thread: pings answered here, everything else queued for the loop."""
+        try:
+            while True:
+                msg = self.conn.recv()
+                if msg[0] == "ping":
+                    started = self._step_started
+                    running = time.monotonic() - started if started is not None else 0.0
+                    self.send(("pong", msg[1], dataclasses.replace(self._gauges, step_running_s=running)))
+                    continue
+                self._inbox.put(msg)
+                if msg[0] == "shutdown":
+                    return
+        except BaseException as e:  # noqa: BLE001 -- EOF (the API went away) or an undecodable message
+            self._inbox.put(("_receive_failed", e))
 
     def _handle(self, msg: tuple) -> bool:
         """Apply one message; False means shut down."""
@@ -116,11 +166,11 @@ class EngineLoop:
             outputs = self.core.abort_requests(list(msg[1]))
             self._forget(o.request_id for o in outputs)
             if outputs:
-                self.conn.send(("outputs", outputs, self.snapshot()))
-        elif kind == "ping":
-            self.conn.send(("pong", msg[1], self.snapshot()))
+                self.send(("outputs", outputs, self.snapshot()))
         elif kind == "shutdown":
             return False
+        elif kind == "_receive_failed":
+            raise msg[1]
         else:
             logger.error("unknown message %r from the API process; ignored", kind)
         return True
@@ -128,24 +178,24 @@ class EngineLoop:
     def _add(self, parent_id: str, children: list[ChildSpec]) -> None:
         """All children of one API request are admitted together, or none is."""
         if self.max_queue_len is not None and len(self.core.scheduler.waiting) >= self.max_queue_len:
-            self.conn.send(("rejected", parent_id, "queue_full",
-                            f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
+            self.send(("rejected", parent_id, "queue_full",
+                       f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
             return
         try:
             requests = [self.core.make_request(cid, ids, params) for cid, ids, params in children]
             for req in requests:
                 self.core.check_request(req)
         except RequestRejected as e:
-            self.conn.send(("rejected", parent_id, e.code, str(e)))
+            self.send(("rejected", parent_id, e.code, str(e)))
             return
         except (ValueError, TypeError) as e:
-            self.conn.send(("rejected", parent_id, "invalid_request", str(e)))
+            self.send(("rejected", parent_id, "invalid_request", str(e)))
             return
         except Exception as e:  # noqa: BLE001 -- a request the engine cannot make is refused, never fatal
             logger.error("could not make request %s; refusing it", parent_id, exc_info=e)
-            self.conn.send(("rejected", parent_id, "internal_error",
-                            f"the engine could not take this request ({type(e).__name__}); the server log has "
-                            f"the details under request id {parent_id}"))
+            self.send(("rejected", parent_id, "internal_error",
+                       f"the engine could not take this request ({type(e).__name__}); the server log has "
+                       f"the details under request id {parent_id}"))
             return
         added: list[str] = []
         try:
@@ -155,9 +205,9 @@ class EngineLoop:
         except ValueError as e:
             self.core.abort_requests(added)
             self._forget(added)
-            self.conn.send(("rejected", parent_id, "invalid_request", str(e)))
+            self.send(("rejected", parent_id, "invalid_request", str(e)))
             return
-        self.conn.send(("added", parent_id))
+        self.send(("added", parent_id))
 
     def _account(self, outputs: list) -> None:
         self._forget(o.request_id for o in outputs if o.finish_reason is not None)
@@ -172,9 +222,10 @@ class EngineLoop:
 def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connection,
                        max_queue_len: int | None, log_level: str) -> None:
     """Entry point of the spawned engine process."""
-    # Ctrl-C in a terminal signals the whole process group; the API process owns shutdown, so the engine
-    # ignores it and stops when told (or when the pipe closes).
+    # Ctrl-C, or a closed terminal's SIGHUP, signals the whole process group; the API process owns shutdown
+    # (it drains), so the engine ignores them and stops when told (or when the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
     try:
         from ladle.engine.allocator import tune_malloc

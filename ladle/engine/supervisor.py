@@ -28,7 +28,7 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     RESTARTING = "restarting"
-    FAILED = "failed"  # gave up after too many failures in a row
+    FAILED = "failed"  # too many failures in a row: retried every max_backoff_s until one starts
     STOPPED = "stopped"
 
 
@@ -117,6 +117,7 @@ class EngineSupervisor:
         self.current: EngineProcess | None = None
         self.failure_reason: str | None = None  # why the last engine died (kept for /health)
         self.num_restarts = 0
+        self.next_restart_at: float | None = None  # monotonic time of the next try, while waiting for it
         self.stopping = False
         self._task: asyncio.Task | None = None
         self._numbers = itertools.count(1)
@@ -168,17 +169,23 @@ class EngineSupervisor:
                 if ready and uptime >= self.config.stable_uptime_s:
                     streak = 0
             streak += 1
-            if streak >= self.config.max_consecutive_failures:
+            failed = streak >= self.config.max_consecutive_failures
+            delay = self.config.max_backoff_s if failed else self._backoff(streak)
+            if failed:
+                # The cause may go away (open files exhausted by clients, memory taken by another process), so
+                # the supervisor keeps trying, slowly; /health says failed, why, and when it tries next.
                 self.state = EngineState.FAILED
-                logger.error("%s; %d engine failures in a row: giving up. The server stays up and reports "
-                             "unhealthy; fix the cause and restart the server.", self.failure_reason, streak)
-                return
-            delay = self._backoff(streak)
-            self.state = EngineState.RESTARTING
-            logger.error("%s; restarting it in %.1f s (failure %d of %d in a row)", self.failure_reason, delay,
-                         streak, self.config.max_consecutive_failures)
+                logger.error("%s; %d engine failures in a row: giving up on quick restarts, retrying every %g s. "
+                             "The server stays up and reports unhealthy meanwhile.", self.failure_reason, streak,
+                             delay)
+            else:
+                self.state = EngineState.RESTARTING
+                logger.error("%s; restarting it in %.1f s (failure %d of %d in a row)", self.failure_reason,
+                             delay, streak, self.config.max_consecutive_failures)
             self.num_restarts += 1
+            self.next_restart_at = time.monotonic() + delay
             await asyncio.sleep(delay)
+            self.next_restart_at = None
 
     def _backoff(self, streak: int) -> float:
         if streak <= 1:
@@ -227,16 +234,24 @@ class EngineSupervisor:
         return False
 
     async def _watchdog(self, proc: EngineProcess) -> None:
+        """Pings are answered by the engine's input thread even while a step runs, so a hang is either no
+        answer at all (the process is frozen) or one step running past the hang timeout."""
+        timeout = self.config.hang_timeout_s
         while not proc.dead.is_set():
             await asyncio.sleep(self.config.watchdog_interval_s)
             try:
-                await self._ping(self.config.hang_timeout_s)
+                snap = await self._ping(timeout)
             except Exception:  # noqa: BLE001 -- no answer, whatever the error
-                if self.current is proc and not proc.dead.is_set() and not self.stopping:
-                    proc.error = f"no answer to a ping in {self.config.hang_timeout_s:g} s (hung); killed"
-                    logger.error("engine process %d is hung; killing it", proc.pid)
-                    proc.process.kill()
-                return
+                hung = f"no answer to a ping in {timeout:g} s (hung); killed"
+            else:
+                if snap.step_running_s <= timeout:
+                    continue
+                hung = f"one step ran for {snap.step_running_s:.0f} s, past --engine-hang-timeout; killed"
+            if self.current is proc and not proc.dead.is_set() and not self.stopping:
+                proc.error = hung
+                logger.error("engine process %d is hung (%s)", proc.pid, hung)
+                proc.process.kill()
+            return
 
     # ---- on the event loop, from the reader thread ----
     def _on_message(self, proc: EngineProcess, msg: tuple) -> None:
