@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: a big logprobs answer holds hundreds of thousands of these
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely under the model's raw distribution

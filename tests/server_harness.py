@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -22,9 +23,14 @@ _LISTENING = re.compile(r"ladle: serving .* on http://127\.0\.0\.1:(\d+)/v1")
 
 class ServerProcess:
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, api_key: str | None = None,
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None, env: dict[str, str] | None = None,
+                 max_open_files: int | None = None) -> None:
         # command: how to start it, e.g. ["ladle", "serve", DIR]; the module with --model by default.
+        # env: extra environment (LADLE_API_KEY there overrides api_key's); max_open_files: RLIMIT_NOFILE, soft
+        # and hard, as a locked-down host sets it.
         start = command or [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir]
+        self.extra_env = env or {}
+        self.max_open_files = max_open_files
         self.cmd = [*start, "--host", "127.0.0.1", "--port", "0", *flags]
         self.log_path = log_dir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen | None = None
@@ -38,8 +44,14 @@ class ServerProcess:
         env.pop("LADLE_API_KEY", None)
         if self.api_key:
             env["LADLE_API_KEY"] = self.api_key
+        env.update(self.extra_env)
+        limit = self.max_open_files
+
+        def lower_limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env)
+                                     env=env, preexec_fn=lower_limit if limit is not None else None)
         log.close()
         deadline = time.monotonic() + timeout
         while not self.base_url:

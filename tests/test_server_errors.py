@@ -17,7 +17,7 @@ SECRET = "/home/alice/secret-path: token 0xdeadbeef"
 
 def test_a_500_hides_the_exception_and_logs_it_under_an_id(caplog):
     ctx = ServingContext(client=None, tokenizer=None, pool=TokenizerPool(None), metrics=None, model_name="m")
-    app = build_app(ServerState(ctx, "m"))
+    app = build_app(ServerState(ctx))
 
     @app.get("/boom")
     async def boom() -> None:

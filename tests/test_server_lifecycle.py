@@ -1,5 +1,6 @@
-"""Server lifecycle: 429 on a full queue, SIGTERM drains then exits 0, the supervisor gives up after repeated
-engine failures but keeps the server up, and a bad setting ends the server at once with the message."""
+"""Server lifecycle: 429 on a full queue, SIGTERM drains then exits 0, the supervisor reports failed after
+repeated engine failures but keeps the server up and retrying, and a bad setting ends the server at once with
+the message."""
 from __future__ import annotations
 
 import asyncio
@@ -67,19 +68,28 @@ def test_queue_full_is_429_and_sigterm_drains_in_flight_requests(tiny_qwen3_dir,
         srv.kill()
 
 
-def test_supervisor_gives_up_after_failures_in_a_row_and_stays_up(tiny_qwen3_dir, tmp_path):
+def test_supervisor_reports_failed_after_failures_in_a_row_and_recovers_once_the_cause_is_gone(tiny_qwen3_dir,
+                                                                                                 tmp_path):
     model = shutil.copytree(tiny_qwen3_dir, tmp_path / "model")
     srv = ServerProcess(str(model), tmp_path, "--num-kv-blocks", "64", "--max-model-len", "512",
-                        "--engine-max-failures", "2", "--engine-restart-backoff", "0.1").start()
+                        "--engine-max-failures", "2", "--engine-restart-backoff", "0.1",
+                        "--engine-max-backoff", "1").start()
     try:
-        (model / "model.safetensors").unlink()  # every restart will now fail to load
-        os.kill(srv.engine_pid(), signal.SIGKILL)
+        weights = model / "model.safetensors"
+        kept = weights.rename(tmp_path / "kept.safetensors")  # every restart will now fail to load
+        old_pid = srv.engine_pid()
+        os.kill(old_pid, signal.SIGKILL)
         body = srv.wait_health(503, 60, engine_state="failed")
         assert "model.safetensors" in body["last_failure"], body
         r = srv.post("/v1/completions", {"prompt": "anyone?", "max_tokens": 2})
-        assert_error_envelope(r, 503, "engine_dead")
+        err = assert_error_envelope(r, 503, "engine_dead")
+        assert "tries again" in err["message"], err
         assert srv.proc.poll() is None  # the server itself stays up, reporting unhealthy
-        assert "giving up" in srv.log()
+        assert "giving up on quick restarts" in srv.log()
+        kept.rename(weights)  # the cause goes away: the next slow retry serves again
+        body = srv.wait_health(200, 60)
+        assert body["engine_pid"] != old_pid and body["engine_restarts"] >= 2, body
+        assert srv.post("/v1/completions", {"prompt": "back", "max_tokens": 2}).status_code == 200
         assert srv.stop() == 0, srv.log()
     finally:
         srv.kill()

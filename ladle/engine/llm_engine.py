@@ -3,14 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from ladle.config import EngineArgs
 from ladle.engine.core import EngineCore
 from ladle.engine.output_processor import OutputProcessor
 from ladle.outputs import RequestOutput
 from ladle.request import Request
 from ladle.sampling_params import SamplingParams
+from ladle.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -18,7 +17,7 @@ PromptType = str | dict[str, Any]
 class LLMEngine:
     def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
         self.core = EngineCore(args, explicit)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.core.config.tokenizer)
+        self.tokenizer = load_tokenizer(self.core.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -1,6 +1,6 @@
-"""What every HTTP request passes before the app sees it: the shutdown gate (503), the API key (401) and the
-body size limit (413), all answered in OpenAI's error envelope. It also counts the requests in flight, so a
-shutdown can wait for their responses to be written."""
+"""What every HTTP request passes before the app sees it: the shutdown gate (503), the API key (401), the media
+type (415), the body size limit (413) and the body timeout (408), all answered in OpenAI's error envelope. It
+also counts the requests in flight, so a shutdown can wait for their responses to be written."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ladle.entrypoints.openai_protocol import OpenAIError
+from ladle.entrypoints.openai_protocol import OpenAIError, clip
 
 # Routes that stay open without a key and while draining: probes and scrapers must see the truth.
 OPEN_PATHS = ("/health", "/metrics")
@@ -22,6 +22,7 @@ LINGER_IDLE_S = 2.0
 class EdgeLimits:
     api_key: str | None = None
     max_request_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0  # the longest gap between two parts of a request body
 
 
 @dataclass
@@ -79,6 +80,9 @@ class EdgeMiddleware:
             await refuse(receive, send, 401, "a valid API key is required: send the header 'Authorization: "
                          "Bearer <key>'", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             return
+        if scope["method"] == "POST" and (unsupported := _unsupported_media(scope["headers"])) is not None:
+            await refuse(receive, send, 415, unsupported, "unsupported_media_type")
+            return
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
@@ -108,7 +112,13 @@ class EdgeMiddleware:
                 return None
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.limits.body_timeout_s)
+            except asyncio.TimeoutError:
+                await refuse(receive, send, 408, f"no part of the request body arrived for "
+                             f"{self.limits.body_timeout_s:g} s (--timeout-request-body)", "request_timeout",
+                             {"Connection": "close"})
+                return None
             if message["type"] != "http.request":
                 return None  # the client left before sending its request: nobody to answer
             chunk = message.get("body", b"")
@@ -124,6 +134,20 @@ class EdgeMiddleware:
         await refuse(receive, send, 413, f"the request body ({size} bytes or more) exceeds the server's "
                      f"limit of {self.limits.max_request_body_bytes} bytes (--max-request-body-bytes)",
                      "request_too_large", {"Connection": "close"})
+
+
+def _unsupported_media(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a POST body cannot be read as JSON (None when it can): another media type, or an encoding such as
+    gzip (the server decodes none). No Content-Type at all is read as JSON, as FastAPI does."""
+    for name, value in headers:
+        text = value.decode("latin-1").strip()
+        if name == b"content-type":
+            media = text.split(";", 1)[0].strip().lower()
+            if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+                return f"Content-Type {clip(text)!r} is not supported; send the body as application/json"
+        elif name == b"content-encoding" and text.lower() not in ("", "identity"):
+            return f"Content-Encoding {clip(text)!r} is not supported; send the body uncompressed"
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

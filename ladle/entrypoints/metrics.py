@@ -45,12 +45,17 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks in use.")
         self.engine_healthy = gauge("engine_healthy", "1 while the engine process is up and serving.")
-        self.engine_restarts = Counter("ladle:engine_restarts", "Engine process restarts by the supervisor.",
-                                       labelnames=list(labels), registry=r).labels(**labels)
-        self.counters = {
-            field: Counter(f"ladle:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
-            for field, (name, doc) in _COUNTERS.items()
-        }
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"ladle:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        self.engine_restarts = counter("engine_restarts", "Engine process restarts by the supervisor.")
+        self.connections_refused = counter("http_connections_refused", "Connections answered 503 and closed past "
+                                                                       "--max-connections.")
+        self.head_timeouts = counter("http_request_head_timeouts", "Connections closed for sending no whole request "
+                                                                   "head within --timeout-request-head.")
+        self.stalled_responses = counter("http_stalled_responses", "Responses aborted because the client took none "
+                                                                   "of their bytes for --stream-stall-timeout.")
+        self.counters = {field: counter(name, doc) for field, (name, doc) in _COUNTERS.items()}
         self.request_success = Counter("ladle:request_success", "Finished choices by finish reason.",
                                        labelnames=[*labels, "finished_reason"], registry=r)
         self.model_name = model_name

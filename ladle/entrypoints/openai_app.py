@@ -16,20 +16,20 @@ from ladle.engine.async_client import AsyncEngineClient, EngineState, EngineUnav
 from ladle.entrypoints.edge import EdgeLimits, EdgeMiddleware, EdgeState
 from ladle.entrypoints.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
-    ModelCard, ModelList, OpenAIError,
+    ModelCard, ModelList, OpenAIError, clip, internal_error,
 )
 from ladle.entrypoints.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
 from ladle.entrypoints.serving_chat import OpenAIServingChat
 from ladle.entrypoints.serving_completion import OpenAIServingCompletion
-from ladle.entrypoints.serving_engine import ServingContext, internal_error
+from ladle.entrypoints.serving_engine import ServingContext
 
 logger = logging.getLogger("ladle.server")
+BUSY_AFTER_S = 1.0  # a step running longer is reported as "busy" (still 200: the engine is working)
 
 
 @dataclass
 class ServerState:
     ctx: ServingContext
-    model_path: str
     edge_limits: EdgeLimits = field(default_factory=EdgeLimits)
     edge: EdgeState = field(default_factory=EdgeState)
     health_timeout_s: float = 5.0
@@ -103,8 +103,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != ctx.model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {ctx.model_name!r}",
-                              code="model_not_found", param="model")
+            raise OpenAIError(404, f"the model {clip(name)!r} does not exist; this server serves "
+                              f"{ctx.model_name!r}", code="model_not_found", param="model")
 
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
 
@@ -122,13 +122,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models", responses=error_responses(*((401,) if keyed else ()), 500, 503))
     async def list_models() -> ModelList:
         info = ctx.client.info
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=state.model_path,
+        # root is the served name, not the checkpoint's path: clients need no view of the server's disk.
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name,
                                          max_model_len=info.max_model_len if info else None)])
 
-    @app.get("/health", response_model=HealthResponse,
-             responses={503: {"model": HealthResponse, "description": "unhealthy or draining; the body says why"}})
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
+                   responses={503: {"model": HealthResponse, "description": "unhealthy or draining; the body says "
+                                                                            "why"}})
     async def health() -> JSONResponse:
-        """200 only when the engine process is up and answers a ping; the body says why when it is not."""
+        """200 when the engine process is up and answers a ping (status "busy" while one long step runs);
+        503 with the reason when it is not."""
         client = ctx.client
         body = HealthResponse(status="ok", engine_state=client.state.value, engine_pid=client.engine_pid,
                               engine_restarts=client.num_restarts, last_failure=client.failure_reason,
@@ -143,7 +146,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(body.model_dump(), status_code=503)
         body.num_requests_running, body.num_requests_waiting = snap.num_running, snap.num_waiting
         body.kv_blocks_in_use, body.num_kv_blocks = snap.kv_blocks_in_use, snap.num_kv_blocks
-        body.kv_cache_usage = snap.kv_usage
+        body.kv_cache_usage, body.step_running_s = snap.kv_usage, round(snap.step_running_s, 3)
+        if snap.step_running_s >= BUSY_AFTER_S:
+            body.status, body.reason = "busy", f"one engine step has run for {snap.step_running_s:.1f} s"
         return JSONResponse(body.model_dump())
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)

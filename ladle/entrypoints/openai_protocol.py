@@ -7,10 +7,14 @@ takes): a malformed request never reaches the engine.
 """
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+logger = logging.getLogger("ladle.server")
 
 # Bounds OpenAI documents; the engine's SamplingParams checks again.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -48,6 +52,19 @@ class OpenAIError(Exception):
     def response(self) -> "ErrorResponse":
         kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+
+
+def internal_error(what: str, error: BaseException) -> OpenAIError:
+    """A 500 that names no exception text: that goes to the log, under an id the client can quote."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    logger.error("%s (error id %s)", what, error_id, exc_info=error)
+    return OpenAIError(500, f"internal server error; the server log has the details under id {error_id}",
+                       code="internal_error")
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """A client's string as an error message quotes it: its start, so a megabyte sent is not echoed back."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -240,8 +257,9 @@ class ModelList(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """GET /health: 200 with status "ok" only when the engine process is up and answers a ping."""
-    status: Literal["ok", "unhealthy", "draining"]
+    """GET /health: 200 when the engine process is up and answers a ping ("busy" while one step has run for
+    over a second: healthy, but every stream waits for that step); 503 otherwise, the body says why."""
+    status: Literal["ok", "busy", "unhealthy", "draining"]
     reason: str | None = None
     engine_state: str
     engine_pid: int | None = None
@@ -253,3 +271,4 @@ class HealthResponse(BaseModel):
     kv_blocks_in_use: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_usage: float | None = None
+    step_running_s: float | None = None  # how long the engine's current step has run (0 between steps)

@@ -14,7 +14,9 @@ _ERRORS = {
     400: "invalid request: a malformed body, a value out of range, a prompt too long for the model",
     401: "missing or wrong API key (only when the server has one)",
     404: "the model named in the request is not served here",
+    408: "the request body stopped arriving for --timeout-request-body seconds",
     413: "the request body exceeds --max-request-body-bytes",
+    415: "the body is not application/json, or is compressed",
     429: "the queue is full (--max-queue-len); retry later",
     500: "an internal error; the message gives an id to find it in the server log",
     503: "no engine can serve now (starting, restarting, failed) or the server is shutting down",
@@ -38,7 +40,7 @@ def generation_responses(model: type, api_key: bool) -> dict[int | str, dict[str
     """200 as JSON (the whole response) or as server-sent events (stream: true), then the errors."""
     ok = {"model": model, "description": "the completion; with stream: true, server-sent events",
           "content": {"text/event-stream": {"itemSchema": _SSE_EVENT}}}
-    return {200: ok, **error_responses(400, *((401,) if api_key else ()), 404, 413, 429, 500, 503)}
+    return {200: ok, **error_responses(400, *((401,) if api_key else ()), 404, 408, 413, 415, 429, 500, 503)}
 
 
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -26,13 +26,15 @@ def replica_app(argv: list[str]) -> Any:
     import logging
 
     from ladle.entrypoints.openai_app import build_app
-    from ladle.entrypoints.server import add_serve_arguments, server_state
+    from ladle.entrypoints.serve_args import add_serve_arguments, check_serve_flags
+    from ladle.entrypoints.server import server_state
 
     parser = argparse.ArgumentParser(prog="ladle serve-replicas (replica)")
     parser.add_argument("--log-level", type=str.upper, default="WARNING")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s[replica]: %(message)s")
+    check_serve_flags(args)
     return build_app(server_state(args, reserved_cpus=0))
 
 
@@ -57,7 +59,7 @@ def ladle_application(argv: list[str], num_replicas: int, gpus_per_replica: int,
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
-    from ladle.entrypoints.server import add_serve_arguments
+    from ladle.entrypoints.serve_args import add_serve_arguments
 
     p.add_argument("--num-replicas", type=int, default=2, help="ladle servers behind the endpoint (default 2)")
     p.add_argument("--ray-address", default="local",

@@ -1,4 +1,4 @@
-"""`ladle serve`: the OpenAI-compatible server, its flags, and a uvicorn server with a graceful SIGTERM.
+"""`ladle serve`: the OpenAI-compatible server, a uvicorn server that drains on SIGTERM or SIGHUP.
 
     python -m ladle.entrypoints.server --model DIR [engine flags] [--host 127.0.0.1] [--port 8000]
 
@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -28,67 +29,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ladle.server")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from ladle.entrypoints.cli import add_engine_flags
-
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF checkpoint dir, as in `vllm serve MODEL` (or --model)")
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model argument as given, as vLLM names it)")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
-    p.add_argument("--max-queue-len", type=int, default=None,
-                   help="answer 429 when this many requests are already waiting (default: unbounded)")
-    p.add_argument("--engine-max-failures", type=int, default=5,
-                   help="engine deaths in a row before the supervisor gives up (default 5)")
-    p.add_argument("--engine-restart-backoff", type=float, default=1.0,
-                   help="seconds before the second restart in a row; doubles after (default 1; the first is at once)")
-    p.add_argument("--engine-startup-timeout", type=float, default=600.0,
-                   help="seconds an engine may take to load and plan (default 600)")
-    p.add_argument("--engine-hang-timeout", type=float, default=300.0,
-                   help="an engine that answers no ping for this long is killed and restarted (default 300)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish; the rest then end with a 503 "
-                        "(default 30)")
-    p.add_argument("--api-key", default=os.environ.get("LADLE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $LADLE_API_KEY, "
-                        "else none); /health and /metrics stay open")
-    p.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
-                   help="answer 413 to a larger request body, before reading it (default 4 MiB)")
-    p.add_argument("--max-prompts-per-request", type=int, default=256,
-                   help="prompts one /v1/completions request may batch (default 256)")
-    p.add_argument("--max-choices-per-request", type=int, default=512,
-                   help="prompts x n one request may ask for (default 512)")
-    add_engine_flags(p)
-
-
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `serve` on the `ladle` command's subparsers."""
+    from ladle.entrypoints.serve_args import add_http_arguments, add_serve_arguments
+
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)
+    add_http_arguments(p)
     p.set_defaults(func=cmd_serve)
     return p
 
 
-def _positive(name: str, value: float | int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
-def server_state(args: argparse.Namespace, reserved_cpus: int, before_imports: Any = None) -> ServerState:
-    """From `ladle serve`'s flags: the engine client, its engine process already starting, and everything the
-    app serves with. reserved_cpus: CPUs the engine leaves to this process (and pins itself beside; 0 pins
-    nothing). before_imports: called once the engine process is starting, before the heavy imports."""
+def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
+    """From `ladle serve`'s flags (checked with check_serve_flags): the engine client, its engine process
+    already starting, and everything the app serves with. reserved_cpus: CPUs the engine leaves to this
+    process (and pins itself beside; 0 pins nothing)."""
     from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli import engine_args_from_flags
     from ladle.entrypoints.metrics import ServerMetrics
 
-    _check_serve_flags(args)
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     engine_args, explicit = engine_args_from_flags(args, args.model_tag or args.model)
@@ -96,65 +55,67 @@ def server_state(args: argparse.Namespace, reserved_cpus: int, before_imports: A
     model = engine_args.model
     # As vLLM names it: the model argument as given, so a client sending --model's value finds it.
     name = args.served_model_name or args.model_tag or args.model or os.path.basename(os.path.normpath(model))
-    if before_imports is not None:
-        before_imports()
     metrics = ServerMetrics(name)
     supervision = SupervisorConfig(
         max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
-        startup_timeout_s=args.engine_startup_timeout, hang_timeout_s=args.engine_hang_timeout,
-        max_queue_len=args.max_queue_len,
+        max_backoff_s=args.engine_max_backoff, startup_timeout_s=args.engine_startup_timeout,
+        hang_timeout_s=args.engine_hang_timeout, max_queue_len=args.max_queue_len,
     )
     client = AsyncEngineClient(engine_args, explicit, supervision, args.log_level, on_snapshot=metrics.on_snapshot)
     client.prestart()  # the engine imports and loads while this process imports the server's libraries
 
-    from transformers import AutoTokenizer
-
     from ladle.entrypoints.edge import EdgeLimits
     from ladle.entrypoints.openai_app import ServerState
+    from ladle.entrypoints.serving_chat import chat_template_problem
     from ladle.entrypoints.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.tokenizer_pool import TokenizerPool
+    from ladle.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(engine_args.tokenizer or model)
-    limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request)
+    tokenizer = load_tokenizer(engine_args.tokenizer or model)
+    if (problem := chat_template_problem(tokenizer)) is not None:
+        logger.warning("the chat template does not parse (%s): /v1/chat/completions answers 500 until it is fixed",
+                       problem)
+    limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request, args.max_stop_strings,
+                           args.max_stop_chars, args.max_logprobs_per_request)
     ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
-    return ServerState(ctx, model, EdgeLimits(args.api_key, args.max_request_body_bytes))
+    return ServerState(ctx, EdgeLimits(args.api_key, args.max_request_body_bytes, args.timeout_request_body))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ladle.entrypoints.http_protocol import GuardedConfig, http_guard
+    from ladle.entrypoints.serve_args import check_serve_flags
+
+    check_serve_flags(args)
+    guard, connections = http_guard(args)
+    # Bound and listening before anything loads (FastAPI alone takes 0.8 s to import): a second server on the
+    # same port fails here, at once.
+    sock = _listen(args.host, args.port)
     from ladle.entrypoints.openai_app import build_app
 
-    socks: list[socket.socket] = []
-    # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set; a port
-    # in use fails before anything loads.
-    state = server_state(args, 1, lambda: socks.append(_listen(args.host, args.port)))
-    sock, client, name = socks[0], state.client, state.ctx.model_name
+    # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.
+    state = server_state(args, 1)
+    client, name, metrics = state.client, state.ctx.model_name, state.ctx.metrics
+    guard.on_refused, guard.on_head_timeout = metrics.connections_refused.inc, metrics.head_timeouts.inc
+    guard.on_stall = metrics.stalled_responses.inc
     verbose = args.access_log or args.log_level == "DEBUG"
-    config = uvicorn.Config(build_app(state), log_level="info" if verbose else "warning",
-                            access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
+    config = GuardedConfig(build_app(state), guard, log_level="info" if verbose else "warning",
+                           access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on",
+                           timeout_keep_alive=args.timeout_keep_alive)
     server = DrainingServer(config, state, args.shutdown_timeout)
     client.set_on_fatal(server.fail)
     host, port = sock.getsockname()[:2]
+    logger.info("connections: %s; request heads within %g s, keep-alive %g s, stalled responses aborted after "
+                "%g s", connections, args.timeout_request_head, args.timeout_keep_alive, args.stream_stall_timeout)
     print(f"ladle: serving {name!r} on http://{args.host}:{port}/v1 (pid {os.getpid()}); "
           f"GET /health turns 200 once the engine has loaded", file=sys.stderr, flush=True)
+    # As vLLM does: what startup allocated (torch, transformers, the tokenizer) is moved out of the collector's
+    # sight, so a full collection while big answers are being built walks their objects only (it stalled the
+    # event loop for 300-400 ms under a logprobs request).
+    gc.freeze()
     server.run(sockets=[sock])
     if server.error is not None:
         raise server.error
     return 0
-
-
-def _check_serve_flags(args: argparse.Namespace) -> None:
-    _positive("--max-queue-len", args.max_queue_len, allow_none=True)
-    _positive("--engine-max-failures", args.engine_max_failures)
-    _positive("--engine-startup-timeout", args.engine_startup_timeout)
-    _positive("--engine-hang-timeout", args.engine_hang_timeout)
-    _positive("--shutdown-timeout", args.shutdown_timeout)
-    _positive("--max-request-body-bytes", args.max_request_body_bytes)
-    _positive("--max-prompts-per-request", args.max_prompts_per_request)
-    _positive("--max-choices-per-request", args.max_choices_per_request)
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key (or LADLE_API_KEY) is empty; give a key or leave it unset")
-    if args.engine_restart_backoff < 0:
-        raise ValueError(f"--engine-restart-backoff must be >= 0, got {args.engine_restart_backoff}")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -163,6 +124,9 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening at once: two sockets merely bound to one port (SO_REUSEADDR) both succeed, so without it a
+        # second server would load a whole engine before failing.
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port (0 picks a free "
@@ -171,8 +135,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM drains: new requests get 503 while in-flight ones finish (up to a
-    timeout), then it stops and the process exits 0. A second signal, or SIGINT, stops at once."""
+    """uvicorn's server, but SIGTERM and SIGHUP drain: new requests get 503 while in-flight ones finish (up to
+    a timeout), then it stops and the process exits 0. A second signal, or SIGINT, stops at once."""
 
     def __init__(self, config: Any, state: ServerState, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -192,7 +156,8 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        originals = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        originals = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM,
+                                                                          signal.SIGHUP)}
         try:
             yield
         finally:
@@ -200,7 +165,10 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig: int, frame: Any) -> None:
-        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None and self.started:
+        # SIGHUP (the terminal went away, or a process manager's reload) drains like SIGTERM rather than
+        # cutting every stream at once, as its default action would.
+        if sig in (signal.SIGTERM, signal.SIGHUP) and not self.state.draining and self._loop is not None \
+                and self.started:
             self.state.edge.draining = True
             self._loop.call_soon_threadsafe(self._start_drain)
         elif self.should_exit:
@@ -213,7 +181,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         edge, client = self.state.edge, self.state.client
-        logger.warning("SIGTERM: answering 503 to new requests; finishing %d in flight (up to %g s)",
+        logger.warning("draining: answering 503 to new requests; finishing %d in flight (up to %g s)",
                        edge.in_flight, self.drain_timeout_s)
         deadline = time.monotonic() + self.drain_timeout_s
         while edge.in_flight and time.monotonic() < deadline:
@@ -242,8 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.server",
                                      description="OpenAI-compatible server over the ladle engine")
+    from ladle.entrypoints.serve_args import add_http_arguments, add_serve_arguments
+
     add_log_level(parser, "INFO")
     add_serve_arguments(parser)
+    add_http_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from ladle.entrypoints.openai_protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
     ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
 )
+from ladle.entrypoints.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, GenerationStream, ServingContext, respond, sampling_params, sse, sse_error,
+    SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
-from ladle.outputs import Logprob
 
 
 def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
@@ -24,6 +24,10 @@ def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     thread."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateSyntaxError as e:
+        # The template itself does not parse: no request can fix that, so it is the server's error.
+        raise OpenAIError(500, f"the model's chat template is broken ({e}); no request can be rendered with it",
+                          code="chat_template_error") from None
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise OpenAIError(400, f"the chat template could not render these messages: {e}",
                           code="invalid_value", param="messages") from None
@@ -31,6 +35,22 @@ def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     if not ids:
         raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
     return ids
+
+
+def chat_template_problem(tokenizer: Any) -> str | None:
+    """Why the checkpoint's chat template does not parse (None when it does, or when there is none), so the
+    server can say so at startup rather than at the first chat request."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private helper of transformers: without it the first request tells
+        return None
+    template = getattr(tokenizer, "chat_template", None) or {}
+    for text in template.values() if isinstance(template, dict) else [template]:
+        try:
+            _compile_jinja_template(text)
+        except TemplateSyntaxError as e:
+            return str(e)
+    return None
 
 
 class OpenAIServingChat:
@@ -43,6 +63,7 @@ class OpenAIServingChat:
         self.ctx.check_choices(1, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self.ctx.check_stop(params.stop)
         self.ctx.vocab_size()  # 503 before any work while no engine is ready
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:
@@ -51,28 +72,27 @@ class OpenAIServingChat:
                     for m in messages)
         ids = await self.ctx.pool.run(lambda tok: _prompt_ids(tok, messages, req.add_generation_prompt), chars)
         self.ctx.check_prompt_length(len(ids), "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        ctx = self.ctx
-        stream = GenerationStream(ctx.client, ctx.tokenizer, ctx.metrics, request_id, [ids], params)
+        self.ctx.check_logprobs(params, [len(ids)], "top_logprobs")
+        stream = self.ctx.stream(f"chatcmpl-{uuid.uuid4().hex}", [ids], params)
         await stream.start()
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(stream, self._stream(stream, top_n, include_usage), lambda: self._collect(stream, top_n), bool(req.stream), raw_request)
+        return await respond(stream, self._stream(stream, top_n, include_usage), lambda: self._response(stream, top_n),
+                             bool(req.stream), raw_request)
 
-    async def _collect(self, stream: GenerationStream, top_n: int) -> ChatCompletionResponse:
-        async for _ in stream.deltas():
-            pass
+    def _response(self, stream: GenerationStream, top_n: int) -> Iterator[bytes]:
+        """The whole answer's JSON, once every choice finished; on a thread (see respond)."""
         want_logprobs = stream.params.logprobs is not None
-        choices = [
+        choices = (
             ChatCompletionResponseChoice(
                 index=c.index, message=ChatResponseMessage(content=c.detok.output_text),
-                logprobs=_logprobs(c.token_ids, c.logprobs, top_n) if want_logprobs else None,
+                logprobs=_logprobs(c.token_ids, c.logprobs, top_n, stream.texts) if want_logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             )
             for c in stream.choices
-        ]
-        return ChatCompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=choices,
-                                      usage=stream.usage)
+        )
+        return with_choices(ChatCompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=[],
+                                                   usage=stream.usage), choices)
 
     def _chunk(self, stream: GenerationStream, choice: ChatCompletionResponseStreamChoice) -> str:
         return sse(ChatCompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name,
@@ -88,7 +108,7 @@ class OpenAIServingChat:
                 for d in deltas:
                     if not want_logprobs and not d.text and d.finish_reason is None:
                         continue  # text held back (a stop string may be starting, or a character is split)
-                    logprobs = _logprobs(d.token_ids, d.logprobs, top_n) if want_logprobs else None
+                    logprobs = _logprobs(d.token_ids, d.logprobs, top_n, stream.texts) if want_logprobs else None
                     yield self._chunk(stream, ChatCompletionResponseStreamChoice(
                         index=d.choice.index, delta=DeltaMessage(content=d.text), logprobs=logprobs,
                         finish_reason=d.finish_reason, stop_reason=d.choice.stop_reason if d.finish_reason else None,
@@ -103,18 +123,19 @@ class OpenAIServingChat:
         yield SSE_DONE
 
 
-def _entry(lp: Logprob) -> TopLogprob:
-    token = lp.decoded_token or ""
-    return TopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
+def _entry(token_id: int, logprob: float, texts: TokenTexts) -> TopLogprob:
+    token = texts(token_id)
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
 
-def _logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatCompletionLogProbs:
+def _logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int,
+              texts: TokenTexts) -> ChatCompletionLogProbs:
     content = []
-    for tid, lps in zip(token_ids, logprobs):
-        sampled = lps.get(tid)
+    for tid, entries in zip(token_ids, logprobs):
+        sampled = next((e for e in entries if e[0] == tid), None)
         if sampled is None:
             continue
-        top = sorted((lp for lp in lps.values() if lp.rank <= top_n), key=lambda lp: lp.rank)[:top_n]
-        content.append(ChatCompletionLogProbsContent(**_entry(sampled).model_dump(),
-                                                     top_logprobs=[_entry(lp) for lp in top]))
+        top = sorted((e for e in entries if e[2] <= top_n), key=lambda e: e[2])[:top_n]
+        content.append(ChatCompletionLogProbsContent(**_entry(tid, sampled[1], texts).model_dump(),
+                                                     top_logprobs=[_entry(t, lp, texts) for t, lp, _ in top]))
     return ChatCompletionLogProbs(content=content)

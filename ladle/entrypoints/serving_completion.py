@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
@@ -10,9 +10,11 @@ from ladle.entrypoints.openai_protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
     OpenAIError,
 )
+from ladle.entrypoints.generation_stream import (
+    ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
+)
 from ladle.entrypoints.serving_engine import (
-    SSE_DONE, ChoiceDelta, ChoiceState, GenerationStream, ServingContext, respond, sampling_params, sse,
-    sse_error,
+    SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
 
 Prompt = str | list[int]
@@ -65,29 +67,31 @@ class OpenAIServingCompletion:
                               "(--max-prompts-per-request)", code="invalid_value", param="prompt")
         self.ctx.check_choices(len(prompts), req.n)
         params = sampling_params(req, req.max_tokens, req.logprobs)
+        self.ctx.check_stop(params.stop)
         vocab = self.ctx.vocab_size()
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         ids, echo = await self.ctx.pool.run(lambda tok: _tokenize(tok, prompts, vocab, req.echo), chars)
         for p in ids:
             self.ctx.check_prompt_length(len(p), "prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        ctx = self.ctx
-        stream = GenerationStream(ctx.client, ctx.tokenizer, ctx.metrics, request_id, ids, params)
+        self.ctx.check_logprobs(params, [len(p) for p in ids], "logprobs")
+        stream = self.ctx.stream(f"cmpl-{uuid.uuid4().hex}", ids, params)
         await stream.start()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(stream, self._stream(stream, echo, include_usage), lambda: self._collect(stream, echo), bool(req.stream), raw_request)
+        return await respond(stream, self._stream(stream, echo, include_usage), lambda: self._response(stream, echo),
+                             bool(req.stream), raw_request)
 
-    async def _collect(self, stream: GenerationStream, echo: list[str]) -> CompletionResponse:
-        async for _ in stream.deltas():
-            pass
-        choices = []
-        for c in stream.choices:
-            prefix = echo[c.prompt_index]
-            logprobs = _logprobs(c.token_ids, c.logprobs, len(prefix)) if stream.params.logprobs is not None else None
-            choices.append(CompletionResponseChoice(index=c.index, text=prefix + c.detok.output_text,
-                                                    logprobs=logprobs, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
-        return CompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=choices, usage=stream.usage)
+    def _response(self, stream: GenerationStream, echo: list[str]) -> Iterator[bytes]:
+        """The whole answer's JSON, once every choice finished; on a thread (see respond)."""
+        want_logprobs = stream.params.logprobs is not None
+        choices = (
+            CompletionResponseChoice(
+                index=c.index, text=echo[c.prompt_index] + c.detok.output_text,
+                logprobs=_logprobs(c.token_ids, c.logprobs, len(echo[c.prompt_index]), stream.texts)
+                if want_logprobs else None, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in stream.choices
+        )
+        return with_choices(CompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=[],
+                                               usage=stream.usage), choices)
 
     async def _stream(self, stream: GenerationStream, echo: list[str], include_usage: bool) -> AsyncIterator[str]:
         offsets = [len(echo[c.prompt_index]) for c in stream.choices]  # chars of token text sent per choice
@@ -99,7 +103,7 @@ class OpenAIServingCompletion:
                 for d in deltas:
                     logprobs = None
                     if stream.params.logprobs is not None:
-                        logprobs = _logprobs(d.token_ids, d.logprobs, offsets[d.choice.index])
+                        logprobs = _logprobs(d.token_ids, d.logprobs, offsets[d.choice.index], stream.texts)
                         offsets[d.choice.index] += sum(len(t) for t in logprobs.tokens)
                     elif not d.text and d.finish_reason is None:
                         continue  # nothing to say yet (text held back for a stop string or a split character)
@@ -122,14 +126,15 @@ class OpenAIServingCompletion:
         return CompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name, choices=[choice])
 
 
-def _logprobs(token_ids: list[int], logprobs: list[dict], offset: int) -> CompletionLogProbs:
+def _logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], offset: int,
+              texts: TokenTexts) -> CompletionLogProbs:
     out = CompletionLogProbs()
-    for tid, lps in zip(token_ids, logprobs):
-        sampled = lps.get(tid)
-        token = sampled.decoded_token if sampled is not None else ""
+    for tid, entries in zip(token_ids, logprobs):
+        sampled = next((e for e in entries if e[0] == tid), None)
+        token = texts(tid) if sampled is not None else ""
         out.tokens.append(token)
-        out.token_logprobs.append(sampled.logprob if sampled is not None else None)
-        out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in sorted(lps.values(), key=lambda x: x.rank)})
+        out.token_logprobs.append(sampled[1] if sampled is not None else None)
+        out.top_logprobs.append({texts(t): lp for t, lp, _ in sorted(entries, key=lambda e: e[2])})
         out.text_offset.append(offset)
         offset += len(token)
     return out

@@ -1,29 +1,24 @@
-"""What /v1/completions and /v1/chat/completions share: errors, sampling params, and the token stream of one
-API request from the engine process, detokenized incrementally on the API side."""
+"""What /v1/completions and /v1/chat/completions share: the context, limits and errors, sampling params, and
+the HTTP response of one API request (streamed, or built and serialized off the event loop)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
-from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
-from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
+from ladle.engine.async_client import AsyncEngineClient
+from ladle.entrypoints.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, UsageInfo
+from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, internal_error
 from ladle.entrypoints.tokenizer_pool import TokenizerPool
-from ladle.outputs import Logprob
-from ladle.request import RequestRejected
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
+
 T = TypeVar("T")
-logger = logging.getLogger("ladle.server")
 
 
 @dataclass(frozen=True)
@@ -31,6 +26,9 @@ class ServingLimits:
     """How much one API request may ask for (each choice is an engine request of its own)."""
     max_prompts_per_request: int = 256
     max_choices_per_request: int = 512  # prompts x n
+    max_stop_strings: int = 256
+    max_stop_chars: int = 16384  # all of a request's stop strings together
+    max_logprobs_per_request: int = 262144  # choices x max_tokens x (logprobs + 1) entries
 
 
 @dataclass
@@ -42,6 +40,13 @@ class ServingContext:
     metrics: ServerMetrics
     model_name: str
     limits: ServingLimits = field(default_factory=ServingLimits)
+    texts: TokenTexts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer)
+
+    def stream(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationStream:
+        return GenerationStream(self.client, self.tokenizer, self.texts, self.metrics, request_id, prompts, params)
 
     def vocab_size(self) -> int:
         """The served model's vocabulary size; 503 while no engine is ready (no point tokenizing then)."""
@@ -68,12 +73,33 @@ class ServingContext:
                               "(--max-choices-per-request)", code="invalid_value", param="n")
 
 
-def internal_error(what: str, error: BaseException) -> OpenAIError:
-    """A 500 that names no exception text: that goes to the log, under an id the client can quote."""
-    error_id = f"err-{uuid.uuid4().hex[:16]}"
-    logger.error("%s (error id %s)", what, error_id, exc_info=error)
-    return OpenAIError(500, f"internal server error; the server log has the details under id {error_id}",
-                       code="internal_error")
+    def check_stop(self, stop: list[str]) -> None:
+        """Stop strings are matched on the event loop: bounded in count and size, so no request can hold it."""
+        lim = self.limits
+        if len(stop) > lim.max_stop_strings:
+            raise OpenAIError(400, f"{len(stop)} stop strings; this server allows at most {lim.max_stop_strings} "
+                              "(--max-stop-strings)", code="invalid_value", param="stop")
+        chars = sum(len(s) for s in stop)
+        if chars > lim.max_stop_chars:
+            raise OpenAIError(400, f"the stop strings total {chars} characters; this server allows at most "
+                              f"{lim.max_stop_chars} (--max-stop-chars)", code="invalid_value", param="stop")
+
+    def check_logprobs(self, params: SamplingParams, prompt_lens: list[int], param: str) -> None:
+        """Each logprob entry is built and serialized by this process: choices x tokens x (top + 1) is bounded,
+        counting a missing max_tokens as the room the context leaves."""
+        if params.logprobs is None:
+            return
+        info = self.client.info
+        room = [params.max_tokens if params.max_tokens is not None else
+                max(0, (info.max_model_len if info else n) - n) for n in prompt_lens]
+        entries = params.n * sum(room) * (params.logprobs + 1)
+        limit = self.limits.max_logprobs_per_request
+        if entries > limit:
+            raise OpenAIError(400, f"{len(prompt_lens)} prompt(s) x n={params.n} x up to {max(room)} tokens x "
+                              f"{params.logprobs + 1} logprobs asks for {entries} logprob entries; this server "
+                              f"allows at most {limit} per request (--max-logprobs-per-request): lower n, "
+                              f"max_tokens or the logprobs asked for", code="invalid_value", param=param)
+
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
@@ -107,143 +133,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise OpenAIError(400, str(e), code="invalid_value") from None
 
 
-@dataclass
-class ChoiceState:
-    index: int
-    child_id: str
-    prompt_index: int
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    last_token_time: float | None = None
-
-
-@dataclass
-class ChoiceDelta:
-    choice: ChoiceState
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]]
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.choice.finish_reason
-
-
-class GenerationStream:
-    """One API request in the engine: n choices per prompt, each an engine request of its own (a child)."""
-
-    def __init__(self, client: AsyncEngineClient, tokenizer: Any, metrics: ServerMetrics, request_id: str,
-                 prompts: list[list[int]], params: SamplingParams) -> None:
-        self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
-        self.request_id, self.prompts, self.params = request_id, prompts, params
-        self.arrival = time.monotonic()
-        self.first_token_seen = False
-        self.choices: list[ChoiceState] = []
-        for p, ids in enumerate(prompts):
-            for i in range(params.n):
-                index = p * params.n + i
-                detok = IncrementalDetokenizer(tokenizer, ids, params.stop, params.include_stop_str_in_output,
-                                               params.skip_special_tokens, min_tokens=params.min_tokens)
-                self.choices.append(ChoiceState(index, f"{request_id}-{index}", p, detok))
-        self._by_child = {c.child_id: c for c in self.choices}
-        self._handle: RequestHandle | None = None
-        self.finished = False
-
-    async def start(self) -> None:
-        """Submit to the engine; raises OpenAIError if it will not take the request."""
-        children = [(c.child_id, self.prompts[c.prompt_index], self.params.for_child(c.index % self.params.n))
-                    for c in self.choices]
-        try:
-            self._handle = await self.client.add_request(self.request_id, children)
-        except RequestRejected as e:
-            status = {"queue_full": 429, "internal_error": 500}.get(e.code, 400)
-            raise OpenAIError(status, str(e), code=e.code) from None
-        except EngineUnavailableError as e:
-            raise OpenAIError(503, str(e), code=e.code) from None
-        except EngineDeadError as e:
-            raise OpenAIError(503, str(e), code=e.code) from None
-
-    def abort(self, reason: str = "abort") -> None:
-        """The client went away (or the response failed): free the engine's KV for the unfinished choices."""
-        if not self.finished:
-            self.finished = True
-            self.client.abort(self.request_id)
-            for c in self.choices:
-                if c.finish_reason is None:
-                    self.metrics.finished(reason)
-
-    @property
-    def usage(self) -> UsageInfo:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Yields what each batch of engine outputs added; raises OpenAIError if the engine dies."""
-        assert self._handle is not None, "start() first"
-        queue = self._handle.queue
-        try:
-            while any(c.finish_reason is None for c in self.choices):
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                deltas = []
-                for item in items:
-                    if isinstance(item, EngineDeadError):
-                        raise OpenAIError(503, str(item), code=item.code)
-                    try:
-                        delta = self._apply(item)
-                    except OpenAIError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 -- e.g. a detokenizer error: this request only
-                        raise internal_error(f"request {self.request_id}: processing engine output failed",
-                                             e) from None
-                    if delta is not None:
-                        deltas.append(delta)
-                if deltas:
-                    yield deltas
-        except OpenAIError:
-            self.abort("error")  # the engine died or failed one choice: stop the others
-            raise
-        except BaseException:
-            self.abort()  # the consumer went away
-            raise
-        self.finished = True
-        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
-
-    def _apply(self, out: EngineCoreOutput) -> ChoiceDelta | None:
-        ch = self._by_child.get(out.request_id)
-        if ch is None or ch.finish_reason is not None:
-            return None  # e.g. tokens that raced with our abort after a stop string
-        if out.finish_reason == "error":
-            raise OpenAIError(500, f"the engine failed this request: {out.error}", code="engine_error")
-        now = time.monotonic()
-        if out.new_token_ids:
-            if not self.first_token_seen:
-                self.first_token_seen = True
-                self.metrics.time_to_first_token.observe(now - self.arrival)
-            elif ch.last_token_time is not None:
-                self.metrics.inter_token_latency.observe(now - ch.last_token_time)
-            ch.last_token_time = now
-        new_logprobs = [decode_logprobs(self.tokenizer, lp) for lp in out.new_logprobs] if self.params.logprobs is not None else []
-        ch.token_ids.extend(out.new_token_ids)
-        ch.logprobs.extend(new_logprobs)
-        stop_str = ch.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
-        if stop_str is not None:
-            if out.finish_reason is None:
-                self.client.abort(self.request_id, [ch.child_id])  # stop strings are found here, not in the core
-            ch.finish_reason, ch.stop_reason = "stop", stop_str
-        elif out.finish_reason is not None:
-            ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
-        if ch.finish_reason is not None:
-            ch.detok.finish()
-            self.metrics.finished(ch.finish_reason)
-        return ChoiceDelta(ch, ch.detok.text_delta(), list(out.new_token_ids), new_logprobs)
-
-
 async def run_unless_disconnected(work: Callable[[], Awaitable[T]], raw_request: Request,
                                   on_disconnect: Callable[[], None]) -> T | None:
     """Run a non-streaming request; if the client hangs up first, cancel it and call on_disconnect (which
@@ -269,15 +158,73 @@ async def run_unless_disconnected(work: Callable[[], Awaitable[T]], raw_request:
     return None
 
 
-async def respond(stream: GenerationStream, events: AsyncIterator[str], collect: Callable[[], Awaitable[Any]],
+async def respond(stream: GenerationStream, events: AsyncIterator[str], build: Callable[[], Iterator[bytes]],
                   want_stream: bool, raw_request: Request) -> Response:
-    """Stream SSE events, or collect the whole response unless the client hangs up first."""
+    """Stream SSE events, or wait for every choice (unless the client hangs up first) and then build the
+    response's JSON (build: its pieces) on a thread: with logprobs that is seconds of work the event loop
+    must not do."""
     if want_stream:
         return StreamingResponse(_guarded(stream, events), media_type="text/event-stream")
-    result = await run_unless_disconnected(collect, raw_request, stream.abort)
-    if result is None:
+
+    async def collect() -> bytes:
+        async for _ in stream.deltas():
+            pass
+        return await asyncio.to_thread(lambda: b"".join(build()))
+
+    body = await run_unless_disconnected(collect, raw_request, stream.abort)
+    if body is None:
         return Response(status_code=499)  # the client hung up; nobody reads this
-    return JSONResponse(result.model_dump())
+    return Response(body, media_type="application/json")
+
+
+def json_pieces(model: BaseModel, min_list: int = 16) -> Iterator[bytes]:
+    """model.model_dump_json(), in pieces: a list of min_list or more items is written an element (a model) or
+    min_list elements (plain values) at a time.
+    pydantic serializes in Rust holding the GIL, so the 5 MiB answer of a logprobs request written in one call
+    held the event loop off for 400 ms; pieces let the loop in between (at the interpreter's switch interval)."""
+    sep = b"{"
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel) and _has_long_list(value, min_list):
+            yield sep + b'"%s":' % name.encode()
+            yield from json_pieces(value, min_list)
+        elif isinstance(value, list) and len(value) >= min_list:
+            yield sep + b'"%s":[' % name.encode()
+            if all(isinstance(v, BaseModel) for v in value):
+                for i, item in enumerate(value):
+                    yield from ([b","] if i else [])
+                    yield from json_pieces(item, min_list)
+            else:  # plain values (logprob dicts, offsets): min_list of them a call, by index
+                head = len(name) + 5  # {"name":[
+                for i in range(0, len(value), min_list):
+                    yield from ([b","] if i else [])
+                    part = set(range(i, min(i + min_list, len(value))))  # past the end, pydantic wraps around
+                    yield model.model_dump_json(include={name: part}).encode()[head:-2]
+            yield b"]"
+        else:
+            yield sep + model.model_dump_json(include={name}).encode()[1:-1]
+        sep = b","
+    yield b"}" if sep == b"," else b"{}"
+
+
+def with_choices(response: BaseModel, choices: Iterable[BaseModel]) -> Iterator[bytes]:
+    """The JSON of a response whose (empty) choices list is filled from `choices`, each made, written and
+    dropped in turn: the models of one choice are alive at a time, not every choice's logprobs at once."""
+    head, found, tail = response.model_dump_json().encode().partition(b'"choices":[]')
+    assert found, "the response's choices must be empty"
+    yield head + b'"choices":['
+    for i, choice in enumerate(choices):
+        yield from ([b","] if i else [])
+        yield from json_pieces(choice)
+    yield b"]" + tail
+
+
+def _has_long_list(model: BaseModel, min_list: int) -> bool:
+    for value in (getattr(model, n) for n in type(model).model_fields):
+        if (isinstance(value, list) and len(value) >= min_list) or \
+                (isinstance(value, BaseModel) and _has_long_list(value, min_list)):
+            return True
+    return False
 
 
 async def _guarded(stream: GenerationStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
