@@ -62,10 +62,28 @@ def test_stop_strings_beyond_the_limits_get_400_naming_them(server):
     assert "--max-stop-chars" in err["message"]
 
 
+def test_the_original_flood_of_stop_strings_is_refused_without_holding_the_loop(server):
+    """The report's case: hundreds of thousands of stop strings (3.3 MB here, under the 4 MiB body limit) with
+    n=8 took a minute of the event loop; now a 400, and /health keeps answering meanwhile."""
+    stops = [f"s{i:06d}x" for i in range(300_000)]
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            body = {"prompt": "hi", "n": 8, "max_tokens": 32, "stop": stops}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(3)))
+
+    answers, latencies, _ = asyncio.run(probed(server, flood()))
+    for r in answers:
+        assert "--max-stop-strings" in assert_error_envelope(r, 400, "invalid_value", "stop")["message"]
+    assert max(latencies) < 1.0, max(latencies)
+    print(f"\n3 requests of 300,000 stop strings: 400 each; /health worst {max(latencies) * 1000:.0f} ms")
+
+
 def test_stop_strings_at_the_limits_keep_health_fast(server):
     rng = random.Random(0)
     length = MAX_STOP_CHARS // MAX_STOP_STRINGS
     stops = ["".join(rng.choice("abcdefgh") for _ in range(length)) for _ in range(MAX_STOP_STRINGS)]
+    rss_before = server.rss_mib()
 
     async def many() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
@@ -77,7 +95,7 @@ def test_stop_strings_at_the_limits_keep_health_fast(server):
     assert all(c["finish_reason"] in ("length", "stop") for a in answers for c in a.json()["choices"])
     assert max(latencies) < 1.0, max(latencies)
     print(f"\n4 x n=8 with {MAX_STOP_STRINGS} stop strings of {length} chars: /health worst "
-          f"{max(latencies) * 1000:.0f} ms")
+          f"{max(latencies) * 1000:.0f} ms; API RSS {rss_before:.0f} -> {server.rss_mib():.0f} MiB")
 
 
 def test_logprobs_beyond_the_limit_get_400_and_at_it_are_built_off_the_loop(server):
@@ -112,6 +130,7 @@ def test_logprobs_beyond_the_limit_get_400_and_at_it_are_built_off_the_loop(serv
 
 
 def test_health_answers_busy_during_a_long_step_and_streams_resume_after_it(server):
+    rss_before = server.rss_mib()
     async def long_prefill() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
             return await http.post("/v1/completions", json={"prompt": [7] * (SLOW_TOKENS + 100), "max_tokens": 4,
@@ -125,4 +144,4 @@ def test_health_answers_busy_during_a_long_step_and_streams_resume_after_it(serv
     assert max(latencies) < 1.0, max(latencies)
     assert server.health()[1]["engine_restarts"] == 0  # a long step is not a hang
     print(f"\n{SLOW_S:g} s step holding the GIL: {len(busy)} of {len(bodies)} probes said busy; /health worst "
-          f"{max(latencies) * 1000:.0f} ms")
+          f"{max(latencies) * 1000:.0f} ms; API RSS {rss_before:.0f} -> {server.rss_mib():.0f} MiB")
