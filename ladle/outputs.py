@@ -35,5 +35,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (vLLM's field)
     error: str | None = None  # why the engine ended it early (finish_reason "error")

@@ -61,6 +61,21 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
     assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
 
 
+def test_the_engine_seed_makes_unseeded_sampling_reproducible(tiny_qwen3_dir):
+    """Rows without a seed draw from the runner's generator, seeded by the engine's seed (vLLM's `seed`), not
+    from torch's global one, which anything else in the process may advance."""
+    prompts = prompts_of([6, 20], seed=2)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(tiny_qwen3_dir, seed=seed, max_model_len=256, num_kv_blocks=32)
+        torch.rand(1000)  # the global generator moves; the engine's draws must not
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    first = run(11)
+    assert run(11) == first and run(12) != first
+
+
 def test_n_samples_share_a_prompt_and_differ(llm):
     out = llm.generate(prompts_of([20]), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10),
                        use_tqdm=False)[0]

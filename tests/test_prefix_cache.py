@@ -124,9 +124,11 @@ def test_seed_b_long_prefix_is_computed_once(long_ctx_dir):
     hit = 7900 // 16 * 16
     assert on.stats.prefix_cache_hits == hit and on.stats.prefix_cache_queries == 7900 + 16000
     assert sum(on.stats.prefill_chunks[got[0].request_id]) == 16000 - hit  # only the uncached tokens
+    assert got[0].num_cached_tokens == hit  # vLLM's RequestOutput field says so too
     off = LLM(long_ctx_dir, enable_prefix_caching=False, **kwargs)
     want = off.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert sum(off.stats.prefill_chunks[want[0].request_id]) == 16000 and off.stats.prefix_cache_queries == 0
+    assert want[0].num_cached_tokens == 0
     assert token_ids(got) == token_ids(want)
     assert_no_leak(on)
 

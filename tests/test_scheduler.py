@@ -119,7 +119,7 @@ def test_preemption_recomputes_and_keeps_generated_tokens():
         assert used + sched.kv.num_free_blocks == sched.kv.num_blocks
 
     run(sched, check)
-    assert sched.num_preemptions > 0 and seen
+    assert seen and sum(r.num_preemptions for r in reqs) == len(seen)
     assert any(n > 0 for _, n in seen)  # a preempted request kept generated tokens and resumed
     assert all(r.num_output_tokens == 12 for r in reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks

@@ -283,7 +283,8 @@ class EngineCore:
                 continue
             self.stats.generation_tokens += 1
             req.append_output(tok.token_id, tok.logprobs)
-            out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs])
+            out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs],
+                                   num_cached_tokens=req.num_cached_tokens if req.num_output_tokens == 1 else None)
             status = self._stop_status(req)
             if status is not None:
                 self._finish(req, status)

@@ -15,3 +15,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache served

@@ -77,6 +77,8 @@ class OutputProcessor:
     def _apply(self, co: EngineCoreOutput, child: _Child, comp: CompletionOutput, parent: RequestOutput,
                to_abort: list[str]) -> None:
         comp.token_ids.extend(co.new_token_ids)
+        if co.num_cached_tokens is not None:  # children share the prompt; a later one may find more cached
+            parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
         if comp.logprobs is not None:
             comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
         # The core finishes with "stop" only on a stop token or EOS, whose text is left out.

@@ -45,7 +45,6 @@ class Scheduler:
         self.limits = config.partial_prefills or default_limits(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order: the last one is the newest
-        self.num_preemptions = 0
         self.max_pass_over = MAX_PASS_OVER
 
     def check(self, request: Request) -> None:
@@ -249,7 +248,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.prepend(req)
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 

@@ -125,7 +125,8 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
               for _ in layout.groups]
     backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
     return runner_cls(model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
-                      tuple(g.layers for g in layout.state_groups), layout.compressions, cfg.max_num_seqs, **extra)
+                      tuple(g.layers for g in layout.state_groups), layout.compressions, cfg.max_num_seqs,
+                      cfg.seed, **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:

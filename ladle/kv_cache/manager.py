@@ -79,10 +79,6 @@ class KVCacheManager:
         """Blocks a request could get now, cached-but-unreferenced ones included."""
         return self.pool.num_free
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -83,12 +83,13 @@ class ModelRunner:
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         windows: tuple[int | None, ...] = (None,), backends: tuple[AttentionBackend, ...] | None = None,
         state_groups: tuple[tuple[int, ...], ...] = (), compressions: tuple[tuple[int, int], ...] | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = 256, seed: int = 0,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         state_groups: the layers of each state group (models with StateSpec layers); compressions: each
         paged group's (tokens per entry, block scale), KVCacheLayout.compressions; max_num_seqs: requests
-        sampled at once at most (rows of the penalty counts)."""
+        sampled at once at most (rows of the penalty counts); seed: the engine's seed, which the draws of
+        rows without a seed of their own come from (a host generator of the runner's, not torch's global)."""
         self.compressions = compressions
         self.model = model
         self.num_state_groups = len(state_groups)
@@ -103,6 +104,7 @@ class ModelRunner:
         self.backends = backends or tuple(select_backend(device, AttentionSpec(1, 1, torch.float32, w))
                                           for w in windows)
         self.sampler = Sampler()
+        self.generator = torch.Generator().manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # decode-only steps
         self.mixed_graphs: MixedGraphs | None = None  # steps with a prefill chunk
         self.buffers = StepBuffers(device)
@@ -184,7 +186,7 @@ class ModelRunner:
             reqs = [self.requests[r] for r in key[1]]
             batch = SamplingBatch([r.params for r in reqs], [len(r.prompt) for r in reqs],
                                   [r.stop_token_ids for r in reqs], self.penalties.vocab, self.device,
-                                  self.requests.penalty_rows(reqs))
+                                  self.requests.penalty_rows(reqs), self.generator)
             self._sampling = (key, batch)
         batch = self._sampling[1]
         positions = (np.fromiter((s.start_pos + s.num_tokens for s in specs), dtype=np.int64, count=len(specs))

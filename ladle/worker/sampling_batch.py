@@ -9,7 +9,7 @@ Random rows draw by inverse CDF from one uniform each. A seeded request's unifor
 (seed, position of the token drawn): a pure function, so a seeded stream does not depend on the batch, on a
 preemption (the recomputed request draws at the same positions) or on a retried step, and a whole batch of
 seeded rows samples in one pass instead of one draw per row from its own generator. Unseeded rows take their
-uniforms from torch's host generator (seeded by the engine's seed).
+uniforms from the runner's host generator, seeded by the engine's seed.
 """
 from __future__ import annotations
 
@@ -138,9 +138,11 @@ class SamplingBatch:
     """One batch composition's sampling parameters: rows in logits order."""
 
     def __init__(self, params: list[SamplingParams], prompt_lens: list[int], stop_token_ids: list[frozenset[int]],
-                 vocab: int, device: torch.device, penalty_rows: list[int] | None = None) -> None:
-        """penalty_rows: each penalized row's row in the PenaltyCounts (in the order of the penalized rows)."""
-        self.params, self.vocab, self.device = params, vocab, device
+                 vocab: int, device: torch.device, penalty_rows: list[int] | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        """penalty_rows: each penalized row's row in the PenaltyCounts (in the order of the penalized rows);
+        generator: the host generator unseeded rows draw from (None: torch's global one)."""
+        self.params, self.vocab, self.device, self.generator = params, vocab, device, generator
         n = len(params)
         self.all_greedy = all(p.greedy for p in params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -198,11 +200,11 @@ class SamplingBatch:
                 if self.all_seeded:
                     u = counter_uniforms(self.seed_keys, rand_pos)
                 else:
-                    u = torch.rand(self.num_random, dtype=torch.float64).numpy()
+                    u = torch.rand(self.num_random, dtype=torch.float64, generator=self.generator).numpy()
                     u[self.seeded] = counter_uniforms(self.seed_keys[self.seeded], rand_pos[self.seeded])
                 host = torch.from_numpy(u * _BELOW_ONE)
             else:
-                host = torch.rand(self.num_random, dtype=torch.float64).mul_(_BELOW_ONE)
+                host = torch.rand(self.num_random, dtype=torch.float64, generator=self.generator).mul_(_BELOW_ONE)
             uniforms = (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
         blocked = None
         if self.min_tokens:
