@@ -95,7 +95,8 @@ def test_explicit_num_threads_lends_nothing(tiny_qwen3_dir):
 def test_a_pinned_engine_borrows_the_reserved_cpu_only_while_no_one_else_uses_it(tiny_qwen3_dir):
     """The server's engine process (reserved_cpus=1), in a child process since pinning is process-wide: its
     team is bound across the engine's CPUs and the reserved one; a neighbour spinning on the reserved CPU
-    keeps steps at the engine's own threads, and once it stops the CPU is lent again. Tokens stay the same."""
+    keeps steps at the engine's own threads, and once the readings say the CPUs are free the reserved one is
+    lent again (faked readings: the test must not depend on the machine being idle). Tokens stay the same."""
     code = f"""
 import os, subprocess, sys, time, torch
 from ladle.config import EngineArgs
@@ -117,6 +118,15 @@ spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity
 time.sleep(0.5); core.lender.before_step(); time.sleep(3 * {WINDOW_S})
 busy = run(0), core.lender.threads, core.stats.steps_with_lent_cpus
 spin.kill(); spin.wait()
+# Whatever else this machine runs, the lender's readings now say no one else uses the CPUs (it is the lending
+# decision under test, not the machine's load; the busy half above read the real /proc/stat).
+from ladle.engine.cpu_lending import CpuTicks
+calls = iter(range(1, 10**9))
+def quiet():
+    k = next(calls)
+    return CpuTicks(busy=10 * k, total=100 * k, own=10 * k)
+core.lender.read = quiet
+core.lender._last = quiet()
 time.sleep(3 * {WINDOW_S})
 idle = run(1), core.lender.threads, core.stats.steps_with_lent_cpus
 print("busy", busy[1], busy[2], "idle", idle[1], idle[2] > 0, "same", busy[0] == idle[0] and len(busy[0]) == 4)

@@ -1,10 +1,10 @@
 """The issue's scenario on the engine: with only max_num_batched_tokens=512 and max_model_len=40000 set, a
-16-token request sent during a 30K-token prefill finishes in a small fraction of the long prompt's time, the
-long prompt takes barely more steps than alone, and both give the tokens they give alone."""
+16-token request sent during a 30K-token prefill finishes within a small fraction of the long prompt's steps,
+the long prompt takes barely more steps than alone, and both give the tokens they give alone. Counted in
+steps, not seconds (timings live in benchmarks/long_prompt_fairness.py)."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -23,37 +23,37 @@ def llm(tmp_path_factory):
     return LLM(path, max_num_batched_tokens=512, max_model_len=40_000)
 
 
-def _drive(core, requests: dict, add_short_after_steps: int | None) -> tuple[dict, dict, dict]:
-    """Run to completion from an empty prefix cache; returns per request its tokens, its time from add to
-    finish, and the step it finished at (and the step the short one was added at)."""
+def _drive(core, requests: dict, add_short_after_steps: int | None) -> tuple[dict, dict]:
+    """Run to completion from an empty prefix cache; returns per request its tokens and the step it finished
+    at (and the step the short one was added at)."""
     assert core.reset_prefix_cache()
     tokens = {rid: [] for rid in requests}
-    added, done, steps = {}, {}, {}
+    steps = {}
     core.add_request(core.make_request("long", requests["long"], GREEDY))
-    added["long"] = time.perf_counter()
     n = 0
     while core.has_unfinished_requests():
         if n == add_short_after_steps:
             core.add_request(core.make_request("short", requests["short"], GREEDY))
-            added["short"], steps["short_added_at"] = time.perf_counter(), n
+            steps["short_added_at"] = n
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finish_reason:
-                done[out.request_id], steps[out.request_id] = time.perf_counter(), n + 1
+                steps[out.request_id] = n + 1
         n += 1
-    return tokens, {rid: done[rid] - added[rid] for rid in done}, steps
+    return tokens, steps
 
 
-def test_a_short_request_during_a_30k_prefill_finishes_in_a_fraction_of_its_time(llm):
+def test_a_short_request_during_a_30k_prefill_finishes_in_a_fraction_of_its_steps(llm):
     settings = llm.config.settings
     assert {k for k, s in settings.items() if s.source == "explicit"} == {"max_num_batched_tokens", "max_model_len"}
     rng = random.Random(0)
     prompts = {"long": [rng.randrange(512) for _ in range(LONG)], "short": [rng.randrange(512) for _ in range(SHORT)]}
     core = llm.engine.core
-    alone_tokens, _, alone_steps = _drive(core, {"long": prompts["long"]}, None)
-    tokens, times, steps = _drive(core, prompts, add_short_after_steps=5)
-    assert times["short"] <= 0.15 * times["long"], times
-    assert steps["short"] - steps["short_added_at"] <= 1 + NEW  # admitted at once: prefill + decodes
+    alone_tokens, alone_steps = _drive(core, {"long": prompts["long"]}, None)
+    tokens, steps = _drive(core, prompts, add_short_after_steps=5)
+    short_steps = steps["short"] - steps["short_added_at"]
+    assert short_steps <= 1 + NEW  # admitted at once: prefill + decodes
+    assert short_steps <= 0.15 * steps["long"], steps
     assert steps["long"] <= 1.10 * alone_steps["long"], (steps, alone_steps)
-    short_alone, _, _ = _drive(core, {"long": prompts["short"]}, None)
+    short_alone, _ = _drive(core, {"long": prompts["short"]}, None)
     assert tokens["long"] == alone_tokens["long"] and tokens["short"] == short_alone["long"]

@@ -3,12 +3,37 @@
 sampling, preemption (requests coming back whole) and prefix-cache hits in the mix."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
+from typing import Any
 
 from ladle import LLM, SamplingParams
-from ladle.request import Request
 from ladle.worker.payload import StateUpdate
+
+_LEAVES = (str, int, float, bool, type(None))
+
+
+def assert_plain(x: Any, path: str = "payload", live: frozenset[int] = frozenset()) -> None:
+    """Every element, however deep, is a number, a string, None, a container of them, or a dataclass of
+    them: no Request, no tensor, and none of the objects in `live` (ids of the KV manager's block tables,
+    which it keeps changing after the payload was sent)."""
+    if isinstance(x, _LEAVES):
+        return
+    assert id(x) not in live, f"{path} is the KV manager's own table, not a copy"
+    if isinstance(x, (list, tuple, frozenset, set)):
+        for i, item in enumerate(x):
+            assert_plain(item, f"{path}[{i}]", live)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            assert_plain(k, f"{path} key", live)
+            assert_plain(v, f"{path}[{k!r}]", live)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        assert type(x).__module__.startswith(("ladle.worker.payload", "ladle.sampling_params")), (path, type(x))
+        for f in dataclasses.fields(x):
+            assert_plain(getattr(x, f.name), f"{path}.{f.name}", live)
+    else:
+        raise AssertionError(f"{path} is a {type(x).__name__}, not plain data")
 
 
 def _prompts(n: int, seed: int) -> list[dict]:
@@ -30,13 +55,19 @@ def test_the_runner_needs_nothing_but_pickled_payloads(tiny_qwen3_dir):
     runner = llm.engine.core.runner
     apply, execute, seen = runner.apply, runner.execute, []
 
+    kv = llm.engine.core.kv
+
     def apply_pickled(update: StateUpdate) -> None:
-        assert not any(isinstance(x, Request) for x in vars(update).values())
+        assert_plain(update, live=frozenset(id(t) for g in kv.groups for t in g.tables.values()))
         seen.append(update)
         apply(pickle.loads(pickle.dumps(update)))
 
+    def execute_pickled(specs: Any) -> Any:
+        assert_plain(specs, "chunk specs")
+        return execute(pickle.loads(pickle.dumps(specs)))
+
     runner.apply = apply_pickled
-    runner.execute = lambda specs: execute(pickle.loads(pickle.dumps(specs)))
+    runner.execute = execute_pickled
     assert _run(llm, batch) == want
     assert llm.stats.num_preemptions > 0
     resumed = [n.request_id for u in seen for n in u.new_requests]
