@@ -58,6 +58,7 @@ def test_bad_values_fail_before_anything_loads(corrupt_dir, args, message):
     print(f"{args[0]} {' '.join(args[1:])}: refused in {took:.2f} s")
 
 
+@pytest.mark.slow
 def test_user_mistakes_are_one_line_with_the_right_exit_code(tiny_qwen3_dir, corrupt_dir, tmp_path):
     arch = shutil.copytree(tiny_qwen3_dir, tmp_path / "arch")
     config = json.loads((arch / "config.json").read_text())
@@ -100,6 +101,7 @@ def _profile_source(llm: LLM) -> str:
     return llm.config.settings["activation_profile"].value
 
 
+@pytest.mark.slow
 def test_the_profile_cache_serves_the_second_start(tiny_qwen3_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LADLE_PROFILE_CACHE_DIR", str(tmp_path / "profiles"))
     first = LLM(tiny_qwen3_dir, max_model_len=1024)

@@ -91,6 +91,7 @@ def test_explicit_num_threads_lends_nothing(tiny_qwen3_dir):
     assert llm.engine.core.lender is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(usable_cpus()) < 2, reason="lending a reserved CPU needs two")
 def test_a_pinned_engine_borrows_the_reserved_cpu_only_while_no_one_else_uses_it(tiny_qwen3_dir):
     """The server's engine process (reserved_cpus=1), in a child process since pinning is process-wide: its

@@ -97,7 +97,8 @@ def cases(tmp_path_factory):
     return get
 
 
-RUNS = [(mix, b, c) for mix in MIXES for b, c in CONFIGS]
+# One token a step is the slowest way through (the slow tier); every other budget and chunk runs fast.
+RUNS = [pytest.param(mix, b, c, marks=pytest.mark.slow if b == 1 else ()) for mix in MIXES for b, c in CONFIGS]
 
 
 @pytest.mark.parametrize("mix,budget,chunk", RUNS)
@@ -112,6 +113,7 @@ def test_greedy_equals_hf_for_every_budget_and_chunk(cases, mix, budget, chunk):
     assert kv.num_free_blocks == 256 and not kv.state_slots
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_greedy_equals_hf_under_preemption(cases, mix):
     path, hf, _, _ = cases(mix)
@@ -122,6 +124,7 @@ def test_greedy_equals_hf_under_preemption(cases, mix):
     assert_greedy_under_preemption(path, prompts, want, max_tokens=60, num_kv_blocks=10)
 
 
+@pytest.mark.slow
 def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_layer(cases):
     path = cases("small_window")[0]
     llm = LLM(path, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=64)
@@ -170,6 +173,7 @@ def test_ties_at_the_kth_score_go_to_the_earliest_entry():
     assert torch.equal(_top_k_earliest(ties, 9).sort(dim=-1).values, want.sort(dim=-1).values)
 
 
+@pytest.mark.slow
 def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(tmp_path):
     """The second seed report's prompts on a tiny DeepSeek-V4 with its real compression rates (4 and 128):
     --max-prefill-length 8192 splits them 8192/8192/6541 and 8192 x4 + 2174, the compressors' state carried
@@ -190,6 +194,7 @@ def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(t
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+@pytest.mark.slow
 def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_path):
     """The activation profile runs the real layers at the worst context, so the indexer's scores over every
     compressed entry are in it: a budget with room for a step of about 1,536 tokens derives such a chunk, a

@@ -17,6 +17,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 from ladle.attention.metadata import StateMetadata  # noqa: E402
 from ladle.models.delta_rule import fla_gated_delta_rule, torch_gated_delta_rule  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 
 @pytest.fixture(autouse=True)
 def interpretable_fla(monkeypatch):

@@ -16,6 +16,8 @@ from ladle.engine.profiling import ActivationModel
 from ladle.worker.cuda_graphs import DecodeGraphs
 from ladle.worker.mixed_graphs import MixedGraphs
 
+pytestmark = [pytest.mark.slow]
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 

@@ -11,6 +11,8 @@ import pytest
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
 
+pytestmark = [pytest.mark.slow]
+
 LONG, SHORT, NEW = 30_000, 16, 4
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 

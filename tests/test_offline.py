@@ -61,6 +61,21 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
     assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
 
 
+def test_a_scheduler_that_schedules_nothing_with_work_left_fails_loudly(llm, monkeypatch):
+    """Admission guarantees a lone request fits, so an empty step with requests waiting is a bug: the core
+    raises with the counts instead of spinning forever."""
+    from ladle.engine.scheduler_output import SchedulerOutput
+
+    core = llm.engine.core
+    core.add_request(core.make_request("stuck", [1, 2, 3], SamplingParams(max_tokens=2)))
+    monkeypatch.setattr(core.scheduler, "schedule", lambda: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="scheduler made no progress with 1 waiting, 0 running"):
+        core.step()
+    monkeypatch.undo()
+    core.abort_requests(["stuck"])
+    assert not core.has_unfinished_requests()
+
+
 def test_the_engine_seed_makes_unseeded_sampling_reproducible(tiny_qwen3_dir):
     """Rows without a seed draw from the runner's generator, seeded by the engine's seed (vLLM's `seed`), not
     from torch's global one, which anything else in the process may advance."""

@@ -34,6 +34,7 @@ def tokens(n, seed=0):
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_seed_b_explicit_chunk_is_honoured_and_output_unchanged(long_dir):
     prompts = [tokens(22925, 1), tokens(34942, 2)]
     chunked = LLM(long_dir, max_prefill_length=8192)

@@ -62,7 +62,8 @@ def case(request, tmp_path_factory):
     return str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("budget,chunk", CONFIGS)
+@pytest.mark.parametrize("budget,chunk", [pytest.param(b, c, marks=pytest.mark.slow if b == 1 else ())
+                                          for b, c in CONFIGS])  # one token a step: the slow tier
 def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
     path, _, prompts, want = case
     kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})

@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow]
 
 
 def _free_port() -> int:

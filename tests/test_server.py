@@ -17,6 +17,8 @@ import pytest
 from ladle import LLM, SamplingParams
 from server_harness import ServerProcess, assert_error_envelope, metric, stream_tokens
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 MAX_MODEL_LEN = 4096
 CHUNK = 64
 

@@ -20,6 +20,8 @@ import pytest
 
 from server_harness import ServerProcess, metric
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 HEAD_TIMEOUT = 2.0
 MAX_CONNECTIONS = 64
 STALL_TIMEOUT = 2.0

@@ -19,6 +19,8 @@ import pytest
 
 from server_harness import ServerProcess, assert_error_envelope
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 SLOW_S, SLOW_TOKENS = 4.0, 1500
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 MAX_LOGPROBS = 262144  # the server's default --max-logprobs-per-request

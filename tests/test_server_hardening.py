@@ -19,6 +19,8 @@ import pytest
 
 from server_harness import ServerProcess, assert_error_envelope
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 KEY = "test-key-0123456789"
 BODY_LIMIT = 2 * 2**20
 MAX_MODEL_LEN = 1024

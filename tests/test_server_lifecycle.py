@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server_harness import ServerProcess, assert_error_envelope, sse_events
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_queue_full_is_429_and_sigterm_drains_in_flight_requests(tiny_qwen3_dir, tmp_path):

@@ -17,6 +17,8 @@ import pytest
 
 from server_harness import ServerProcess, assert_error_envelope, metric, sse_events, stream_events, stream_tokens
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 MAX_TOKENS = 16
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from server_harness import ServerProcess, assert_error_envelope, sse_events
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 KEY = "edge-key-42"
 
 

@@ -20,6 +20,8 @@ from ladle.distributed.parallel_state import TensorParallel
 from ladle.models.tensor_parallel import kv_heads_of_rank
 from server_harness import ServerProcess, stream_events
 
+pytestmark = [pytest.mark.slow]
+
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Chunked (19-token chunks in 64-token steps), and about 40 + 24 tokens = 4 blocks per request in a pool of 9:

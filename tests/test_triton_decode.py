@@ -151,5 +151,6 @@ print("compiled for sm_90")
 """
 
 
+@pytest.mark.slow
 def test_decode_kernels_compile_for_hopper() -> None:
     compile_for_sm90(_COMPILE_FOR_SM90)

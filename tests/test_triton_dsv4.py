@@ -20,6 +20,7 @@ from sm90 import compile_for_sm90  # noqa: E402
 from test_deepseek_v4 import CSA, HCA, SW, build, prompts_of  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_deepseek_v4_model_on_the_triton_path_gives_the_reference_tokens(tmp_path):
     """Every layer kind, a window smaller than a block, top-k below the entries of the longer prompts, chunked
     prefill (budget 32, cap 13) and decodes: the same greedy tokens as the torch path (which equals HF)."""
@@ -34,6 +35,7 @@ def test_a_deepseek_v4_model_on_the_triton_path_gives_the_reference_tokens(tmp_p
     assert ladle_tokens(llm, prompts, params) == want
 
 
+@pytest.mark.slow
 def test_the_attention_kernel_compiles_for_hopper():
     """Flash's shape (512 head dims) in bf16 and fp32: the interpreter cannot catch what ptxas does."""
     compile_for_sm90("""

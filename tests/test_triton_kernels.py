@@ -167,6 +167,7 @@ PREFILL_STEPS = [
 DECODES = [ScheduledChunk([9], 37, TABLE_A, True), ScheduledChunk([4], 11, TABLE_B, True)]
 
 
+@pytest.mark.slow
 def test_model_forward_with_triton_attention() -> None:
     """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels (the Triton attention
     backend, and the fused norms, q/k-norm + rope and SiLU-and-mul of TritonOps) in place of the torch
@@ -229,5 +230,6 @@ print("compiled for sm_90")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper() -> None:
     compile_for_sm90(_COMPILE_FOR_SM90)

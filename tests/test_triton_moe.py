@@ -63,6 +63,7 @@ def test_fused_experts_match_the_torch_experts(tokens, top_k, num_experts, hidde
                           moe(x, weights, same), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_grouped_gemm_compiles_for_hopper():
     compile_for_sm90("""
 from ladle.kernels.triton_moe import _grouped_gemm_kernel

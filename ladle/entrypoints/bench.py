@@ -227,7 +227,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from ladle.engine.llm_engine import LLMEngine
-    from ladle.entrypoints.cli import ENGINE_KEYS, resolve_model
+    from ladle.entrypoints.cli_args import ENGINE_KEYS, resolve_model
 
     model = resolve_model(args.model)
     engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
@@ -278,7 +278,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench offline` and `bench serve` on the `ladle` command's subparsers."""
-    from ladle.entrypoints.cli import add_engine_flags
+    from ladle.entrypoints.cli_args import add_engine_flags
 
     bench = subparsers.add_parser("bench", help="throughput and latency benchmarks (vLLM's bench metrics)")
     sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ladle.entrypoints.cli import add_engine_flags
+from ladle.entrypoints.cli_args import add_engine_flags
 from ladle.entrypoints.http_protocol import RESERVED_FILES
 
 

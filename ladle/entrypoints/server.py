@@ -45,7 +45,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     already starting, and everything the app serves with. reserved_cpus: CPUs the engine leaves to this
     process (and pins itself beside; 0 pins nothing)."""
     from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
-    from ladle.entrypoints.cli import engine_args_from_flags
+    from ladle.entrypoints.cli_args import engine_args_from_flags
     from ladle.entrypoints.metrics import ServerMetrics
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -206,7 +206,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ladle.entrypoints.cli import add_log_level, report_error
+    from ladle.entrypoints.cli_args import add_log_level, report_error
 
     parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.server",
                                      description="OpenAI-compatible server over the ladle engine")

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
+from ladle.kernels import cpu_kernels
+from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
-from ladle.models.ops import select_ops, set_ops
+from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
 
 _SINGLE_FILE = "model.safetensors"
@@ -20,6 +22,16 @@ class CheckpointError(RuntimeError):
     """The checkpoint's files exist but cannot be read."""
 
 _INDEX_FILE = "model.safetensors.index.json"
+
+
+def select_ops(device: torch.device) -> ModelOps:
+    """Triton on CUDA; on CPU ladle's C kernels where they build (ladle.models.cpu_ops), else torch."""
+    if device.type == "cuda":
+        return TritonOps()
+    try:
+        return CpuOps(cpu_kernels.load())
+    except cpu_kernels.KernelUnavailable:
+        return TorchOps()
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

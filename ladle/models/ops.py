@@ -140,19 +140,6 @@ class TritonOps:
 ModelOps = TorchOps | TritonOps
 
 
-def select_ops(device: torch.device) -> ModelOps:
-    """Triton on CUDA; on CPU ladle's C kernels where they build (ladle.models.cpu_ops), else torch."""
-    if device.type == "cuda":
-        return TritonOps()
-    from ladle.kernels.cpu_kernels import KernelUnavailable, load
-    from ladle.models.cpu_ops import CpuOps
-
-    try:
-        return CpuOps(load())
-    except KernelUnavailable:
-        return TorchOps()
-
-
 def set_ops(model: nn.Module, ops: ModelOps) -> nn.Module:
     """Give every module of the model that uses ops these ones; returns the model."""
     for module in model.modules():

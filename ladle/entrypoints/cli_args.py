@@ -1,0 +1,151 @@
+"""The flag library of the `ladle` commands: engine flags in vLLM spelling, their translation into EngineArgs,
+and the one-line error report. The commands (cli, server, bench, ray_serve) import it; it imports none of them.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
+from ladle.sampling_params import InvalidSamplingParam, SamplingParams
+
+DEFAULT_PROMPT = "The long prompt problem is"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A mistake in the command (a value, a path) exits 2, as argparse does; a failure while running exits 1.
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+# SamplingParams fields as `ladle generate` spells them.
+GENERATE_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-new-tokens", "seed": "--sampling-seed"}
+
+
+def default_model_dir() -> Path:
+    from ladle.paths import cache_dir
+
+    return cache_dir("demo-model")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Engine flags in vLLM spelling. Defaults are SUPPRESS so only typed flags count as explicit."""
+    S = argparse.SUPPRESS
+    p.add_argument("--device", default=S, help="auto | cpu | cuda[:N] (default auto)")
+    p.add_argument("--dtype", default=S, help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=S, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-num-batched-tokens", type=int, default=S,
+                   help="tokens per forward call (default: the largest multiple of 64 that fits memory, <= 8192)")
+    p.add_argument("--max-prefill-length", type=int, default=S,
+                   help="prompt tokens of one request per step (default: the step budget)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=S,
+                   help="requests prefilling in one step, sharing what decodes leave (default min(4, max_num_seqs))")
+    p.add_argument("--max-long-partial-prefills", type=int, default=S,
+                   help="of those, how many may be long (default 1): short prompts start beside a long one")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=S,
+                   help="a prefill with more tokens left than this is long (default: the step budget)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=S,
+                   help="fcfs (default) or priority: lower request priority first, and preempted last")
+    p.add_argument("--max-num-seqs", type=int, default=S,
+                   help="requests running at once (default 256)")
+    p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
+                   help="KV pool size in blocks (default: what the memory plan leaves)")
+    p.add_argument("--kv-cache-memory-bytes", default=S, help="KV pool size as bytes or e.g. 2GiB")
+    p.add_argument("--memory-budget", default=S, help="cap on all ladle may use, e.g. 8GiB (default: measured)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=S, help="CUDA: share of device memory (0.9)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=S,
+                   help="reuse KV of shared prompt prefixes (default on)")
+    p.add_argument("--enforce-eager", action="store_true", default=S, help="CUDA: no CUDA graphs")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=S,
+                   help="CUDA: largest step, in tokens, replayed from a graph (default min(512, max_num_seqs))")
+    p.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=S,
+                   help="CUDA: FULL replays decode-only steps and steps with a prefill chunk from graphs, "
+                        "FULL_DECODE_ONLY only decode-only steps (default FULL)")
+    p.add_argument("--async-scheduling", action="store_true", default=S,
+                   help="launch a decode step whose successor is certain before reading its tokens")
+    p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
+                   help="dummy: random weights from config.json alone, for benchmarks")
+    p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
+                   help="reuse the activation profile stored by an earlier start of the same model, dtype, "
+                        "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
+    p.add_argument("--num-threads", type=int, default=S,
+                   help="CPU: torch threads (default: the CPUs this process may use; serve leaves one for its API "
+                        "process and pins the engine to the rest)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=S,
+                   help="default: triton on CUDA; on CPU, ladle's C decode kernel (built with the system C compiler "
+                        "on first use), or torch where it cannot be built")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=S,
+                   help="shard the model over this many ranks, one process each (gloo on CPU, NCCL on CUDA; "
+                        "default 1)")
+    p.add_argument("--seed", type=int, default=S)
+
+
+def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default, metavar="LEVEL",
+                   help="DEBUG | INFO | WARNING | ERROR | CRITICAL; DEBUG adds one line per prefill chunk and "
+                        "the traceback of an error")
+
+
+ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
+               "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
+               "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
+               "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
+               "cudagraph_mode", "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
+               "tensor_parallel_size", "seed")
+
+_SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
+    [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],
+    key=len, reverse=True)) + r")\b")
+
+
+def flag_spelling(message: str, extra: dict[str, str] | None = None) -> str:
+    """Setting names in a message, spelled as the flags a user types (max_num_batched_tokens=0 ->
+    --max-num-batched-tokens=0); `extra` maps more names (a sampling field to its generate flag)."""
+    message = _SETTING.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    message = re.sub(r"(?<![\w.-])(device|dtype|seed)(?==)", r"--\1", message)  # plain words only as name=value
+    for name, flag in (extra or {}).items():
+        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
+    return message
+
+
+def report_error(error: BaseException, debug: bool, extra: dict[str, str] | None = None) -> int:
+    """One line on stderr (the traceback too at DEBUG); returns the exit code: 2 for a usage mistake, 1 for a
+    failure while running."""
+    if debug:
+        traceback.print_exception(error)
+    print(f"error: {flag_spelling(str(error), extra)}", file=sys.stderr)
+    return 2 if isinstance(error, USAGE_ERRORS) else 1
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from ladle.demo import build_demo_model
+
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        print(f"no --model given: building the demo model in {path}", file=sys.stderr)
+        build_demo_model(str(path))
+    print(f"using the demo model at {path}: its weights are RANDOM, so its text is gibberish; "
+          "pass --model DIR for a real checkpoint", file=sys.stderr)
+    return str(path)
+
+
+def sampling_from_flags(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                              ignore_eos=args.ignore_eos, seed=args.sampling_seed)
+    except InvalidSamplingParam as e:
+        flag = GENERATE_FLAGS.get(e.field, e.field)
+        raise ValueError(f"{flag} {e.rule}, got {e.value!r}") from None
+
+
+def engine_args_from_flags(args: argparse.Namespace, model: str | None) -> tuple:
+    """EngineArgs and the names typed, validated: a bad value fails here, before anything loads."""
+    from ladle.config import EngineArgs
+
+    kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+    if getattr(args, "tokenizer", None) is not None:
+        kwargs["tokenizer"] = args.tokenizer
+    engine_args, explicit = EngineArgs.from_kwargs(model=resolve_model(model), **kwargs)
+    engine_args.validate()
+    return engine_args, explicit
