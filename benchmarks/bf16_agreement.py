@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model, model_facts, save  # noqa: E402
 
 from ladle.entrypoints.bench import random_workload  # noqa: E402
-from ladle.hf_reference import first_divergence, hf_greedy, rounding_tie  # noqa: E402
+from ladle.testing.hf_reference import first_divergence, hf_greedy, rounding_tie  # noqa: E402
 
 
 def last_logits(model: Any, ids: list[int]) -> Any:

@@ -149,7 +149,7 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
     lengths, new = ((5, 37, 60), 6) if small else ((5, 37, 150, 300, 700), 24)
     prompts = [[rng.randrange(8000) for _ in range(n)] for n in lengths]
     if device.type != "cuda":
-        from ladle.hf_reference import use_torch_kernels
+        from ladle.testing.hf_reference import use_torch_kernels
 
         use_torch_kernels()  # fla's kernels, if importable, cannot run on a CPU
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()

@@ -84,7 +84,7 @@ def decode_batch1(core: Any, prompt_len: int, new: int, vocab: int, ids: itertoo
 
 def peak(core: Any, fn: Callable[[], dict]) -> dict:
     """fn's result plus the activation peak it caused (above weights + KV pool) and the device total."""
-    from ladle.engine.memory import measure_peak
+    from ladle.startup.memory import measure_peak
 
     box: dict[str, dict] = {}
     device = core.config.device
@@ -106,15 +106,15 @@ def linear_flops_per_token(cfg: Any) -> float:
 def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) -> dict:
     """A prompt_len prompt prefilled in chunks of `chunk` straight through the model runner, on a scratch
     KV pool so the engine's own (prefix-cached) blocks are never touched. Second pass is timed."""
-    from ladle.worker.inputs import ScheduledChunk
-    from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-    from ladle.worker.sampling_batch import sampling_metadata
+    from ladle.runner.inputs import ScheduledChunk
+    from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+    from ladle.runner.sampling_batch import sampling_metadata
     from ladle.sampling_params import SamplingParams
 
     cfg, ec = core.hf_config, core.config
     layers, hd = cfg.num_hidden_layers, ec.kv_layout.groups[0].spec.head_dim
     blocks = -(-prompt_len // ec.block_size)
-    runner = ModelRunner(core.runner.model, allocate_kv_caches(ec.kv_layout, layers, blocks, ec.device),
+    runner = ModelRunner(core.model_executor.runner.model, allocate_kv_caches(ec.kv_layout, layers, blocks, ec.device),
                          ec.block_size, ec.device)
     ids, table = prompts(1, prompt_len, cfg.vocab_size, 7)[0], list(range(blocks))
     greedy = sampling_metadata([SamplingParams(temperature=0.0)], cfg.vocab_size, ec.device)

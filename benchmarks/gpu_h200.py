@@ -156,7 +156,7 @@ def ladle_8b(run: Run, a: argparse.Namespace, s: Sizes, shape: dict, workdir: Pa
         return dict(startup_s=round(built, 1), max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens, num_kv_blocks=c.num_kv_blocks,
                     cudagraph_capture_size=c.max_cudagraph_capture_size, cudagraph_mode=c.cudagraph_mode,
-                    graph_memory_gib=round(core.graph_memory_bytes / GiB, 3),
+                    graph_memory_gib=round(core.model_executor.graph_memory_bytes / GiB, 3),
                     plan_graph_memory_gib=round(c.plan.inputs.graph_bytes / GiB, 3), graph_error=graph_error,
                     plan=c.plan.lines())
 

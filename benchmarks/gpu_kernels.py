@@ -18,23 +18,23 @@ def sync(device: torch.device) -> None:
 
 
 def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
-    """Decode steps eager vs replayed from CUDA graphs (ladle.worker.cuda_graphs), on a scratch KV pool:
+    """Decode steps eager vs replayed from CUDA graphs (ladle.runner.cuda_graphs), on a scratch KV pool:
     step time at each batch size, and how far the graph's logits are from the eager ones."""
-    from ladle.worker.cuda_graphs import DecodeGraphs
-    from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs
-    from ladle.worker.model_runner import allocate_kv_caches
+    from ladle.runner.cuda_graphs import DecodeGraphs
+    from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+    from ladle.runner.model_runner import allocate_kv_caches
 
-    ec, model = core.config, core.runner.model
+    ec, model = core.config, core.model_executor.runner.model
     per_seq = -(-(context + 1) // ec.block_size)
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * max(batches), ec.device)
     t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device, core.runner.backends[0])
+    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device, core.model_executor.runner.backends[0])
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
 
     def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=core.runner.backends)
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=core.model_executor.runner.backends)
         return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
 
     for b in batches:
@@ -63,21 +63,21 @@ def _eager_vs_graph(chunks: list, eager: Callable, graph: Callable, device: torc
 
 
 def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) -> dict:
-    """Steps with a prefill chunk eager vs replayed from CUDA graphs (ladle.worker.mixed_graphs), on a scratch
+    """Steps with a prefill chunk eager vs replayed from CUDA graphs (ladle.runner.mixed_graphs), on a scratch
     KV pool: `decodes` decodes at `context` beside one `chunk`-token prefill chunk, for each (decodes, chunk);
     step time and how far the graph's hidden states (the sampled rows') are from the eager ones."""
     from ladle.attention.backends import TritonAttention
-    from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs
-    from ladle.worker.mixed_graphs import MixedGraphs
-    from ladle.worker.model_runner import allocate_kv_caches
+    from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+    from ladle.runner.mixed_graphs import MixedGraphs
+    from ladle.runner.model_runner import allocate_kv_caches
 
-    ec, model = core.config, core.runner.model
+    ec, model = core.config, core.model_executor.runner.model
     most = max(d + c for d, c in steps)
     per_seq = -(-(context + most) // ec.block_size)
     seqs = max(d for d, _ in steps) + 1
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * seqs, ec.device)
     # Padding writes to slot -1, which only the Triton kernels skip: the dry run takes them, in the interpreter.
-    backend = core.runner.backends[0] if ec.device.type == "cuda" else TritonAttention()
+    backend = core.model_executor.runner.backends[0] if ec.device.type == "cuda" else TritonAttention()
     t0 = time.perf_counter()
     graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, backend)
     if ec.device.type == "cuda":
@@ -105,7 +105,7 @@ def kernel_check(device: torch.device, small: bool) -> dict:
     """The Triton kernels against the CPU fp32 torch reference at the 8B head shape, on a mixed step."""
     from ladle.attention import torch_ref as reference
     from ladle.attention import triton_attention
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+    from ladle.runner.inputs import ScheduledChunk, build_step_inputs
 
     res: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def kernel_check(device: torch.device, small: bool) -> dict:
 def _attention_case(reqs: list[tuple[int, int]], device: torch.device) -> tuple:
     """(step metadata, q, k pool, v pool, FLOPs, KV bytes read) of bf16 attention at the 8B head shape for
     requests (tokens cached, new tokens), each on shuffled blocks of one scratch pool."""
-    from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+    from ladle.runner.inputs import ScheduledChunk, build_step_inputs
 
     page, heads, kvh, dim = 16, 32, 8, 128
     blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())

@@ -104,7 +104,7 @@ def memory(r: dict[str, Any]) -> list[str]:
              x.get("hf_peak_mib", float("nan")), x["hf_kv_cache_mib"]] for x in r["rows"]]
     lines = ["## 2. Peak activation memory vs prompt length", "",
              f"ladle at max_num_batched_tokens {r['chunk']} vs one HF forward of the whole prompt; peaks from "
-             "`ladle.engine.memory.measure_peak` (torch.profiler allocation events). ladle's KV pool exists before "
+             "`ladle.startup.memory.measure_peak` (torch.profiler allocation events). ladle's KV pool exists before "
              "the call and is not counted; HF allocates its KV cache inside the call, so it is counted (its size is "
              "in the last column).", ""]
     lines += header(r, "memory_vs_prompt")

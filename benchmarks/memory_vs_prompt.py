@@ -1,6 +1,6 @@
 """Peak activation memory vs prompt length at a fixed chunk: ladle (chunked) vs one HF forward.
 
-Both are measured with ladle.engine.memory.measure_peak: on CPU, torch.profiler records every allocation
+Both are measured with ladle.startup.memory.measure_peak: on CPU, torch.profiler records every allocation
 and free, and the peak of their running sum above what existed before the call is exact.
 - ladle: LLM.generate(prompt, max_tokens=1) with max_num_batched_tokens = --chunk. The KV pool is
   allocated at startup, before the measured call, so it is not counted: what is counted is the workspace
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model, model_facts, save  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
-from ladle.engine.memory import measure_peak  # noqa: E402
+from ladle.startup.memory import measure_peak  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")

@@ -33,7 +33,7 @@ from ladle.entrypoints.bench import RequestTiming, Workload, random_workload, ru
 def load_hf(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from ladle.hf_reference import use_torch_kernels
+    from ladle.testing.hf_reference import use_torch_kernels
 
     use_torch_kernels()  # the peer runs on CPU: HF's PyTorch path, not fla's Triton kernels
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default="offline_throughput", help="results/<out>.json")
     args = ap.parse_args()
 
-    from ladle.engine.llm_engine import LLMEngine
+    from ladle.frontend.llm_engine import LLMEngine
 
     model_dir = build_model(args.model_name)
     vocab = model_facts(model_dir)["vocab_size"]

@@ -13,8 +13,8 @@ import torch
 
 from ladle.config import EngineArgs
 from ladle.demo import build_demo_model
-from ladle.engine.profiling import profile_points
-from ladle.engine.setup import load_and_plan
+from ladle.startup.profiling import profile_points
+from ladle.startup.setup import load_and_plan
 
 MiB = 2**20
 

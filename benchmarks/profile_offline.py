@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model, model_facts, save  # noqa: E402
 from offline_throughput import load_hf, run_hf_generate  # noqa: E402
 
-from ladle.engine.llm_engine import LLMEngine  # noqa: E402
+from ladle.frontend.llm_engine import LLMEngine  # noqa: E402
 from ladle.entrypoints.bench import random_workload, run_ladle_offline  # noqa: E402
 
 GROUPS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),

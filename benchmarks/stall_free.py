@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model, model_facts, save, set_budget  # noqa: E402
 
-from ladle.engine.llm_engine import LLMEngine  # noqa: E402
+from ladle.frontend.llm_engine import LLMEngine  # noqa: E402
 from ladle.sampling_params import SamplingParams  # noqa: E402
 
 

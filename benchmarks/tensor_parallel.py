@@ -34,7 +34,7 @@ def run(model: str, tp: int, workload: list[tuple[list[int], int]]) -> dict[str,
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in workload], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    runner, stats = llm.engine.core.runner, llm.stats
+    runner, stats = llm.engine.core.model_executor.runner, llm.stats
     row = {"tensor_parallel_size": tp, "startup_s": startup, "generate_s": seconds, "steps": stats.num_steps,
            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
            "num_threads": llm.config.settings["num_threads"].value,

@@ -37,7 +37,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int | None = None  # default: derived from measured memory (multiple of 64)
     max_prefill_length: int | None = None  # per-request chunk cap; default: max_num_batched_tokens
-    # Sharing a step between prefills (ladle.engine.partial_prefill); defaults derived.
+    # Sharing a step between prefills (ladle.startup.partial_prefill); defaults derived.
     max_num_partial_prefills: int | None = None
     max_long_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None  # a prefill with more tokens left than this is long
@@ -199,13 +199,13 @@ class EngineConfig:
     max_cudagraph_capture_size: int = 0  # largest step (tokens) captured in a CUDA graph; 0 = eager only
     cudagraph_mode: str = "NONE"  # FULL | FULL_DECODE_ONLY | NONE (no graphs)
     async_scheduling: bool = False
-    partial_prefills: Any = None  # ladle.engine.partial_prefill.PartialPrefillLimits; None: one prefill per step
+    partial_prefills: Any = None  # ladle.startup.partial_prefill.PartialPrefillLimits; None: one prefill per step
     scheduling_policy: str = "fcfs"
     attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: Any = None  # the MemoryPlan that sized the memory settings
     kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs
-    cpu_lending: Any = None  # ladle.engine.cpu_lending.CpuLending: reserved CPUs the steps may borrow; None: none
+    cpu_lending: Any = None  # ladle.startup.cpu_lending.CpuLending: reserved CPUs the steps may borrow; None: none
 
     def report(self) -> str:
         """The resolved settings with their provenance, then the memory plan and the KV cache groups."""

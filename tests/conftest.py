@@ -45,7 +45,7 @@ def _load_hf(model_dir: str) -> Any:
 @pytest.fixture(scope="session", autouse=True)
 def hf_torch_kernels() -> None:
     """The HF oracle runs its own PyTorch reference, never a kernel package the test extra installs."""
-    from ladle.hf_reference import use_torch_kernels
+    from ladle.testing.hf_reference import use_torch_kernels
 
     use_torch_kernels()
 

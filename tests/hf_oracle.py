@@ -1,8 +1,8 @@
-"""HF transformers as the oracle: its greedy loop (ladle.hf_reference.hf_greedy), its logprobs, ladle's side."""
+"""HF transformers as the oracle: its greedy loop (ladle.testing.hf_reference.hf_greedy), its logprobs, ladle's side."""
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.hf_reference import hf_greedy  # noqa: F401  (the tests' oracle, re-exported)
+from ladle.testing.hf_reference import hf_greedy  # noqa: F401  (the tests' oracle, re-exported)
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ import sys
 
 _PROBE = """
 import ctypes, sys
-from ladle.engine.allocator import tune_malloc
+from ladle.startup.allocator import tune_malloc
 if sys.argv[1] == "tuned":
     assert tune_malloc()
 FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")

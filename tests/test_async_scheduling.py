@@ -137,7 +137,7 @@ def test_out_of_memory_in_a_launched_step_falls_back_to_the_synchronous_path(
 
     sync, ahead = pair
     batch = prompts(4, seed=7)
-    runner = ahead.engine.core.runner
+    runner = ahead.engine.core.model_executor.runner
     real_launch, calls = runner.launch, []
 
     def flaky_launch(*args, **kwargs):

@@ -9,7 +9,7 @@ from test_e2e_hf import random_prompts
 from transformers import AutoModelForCausalLM
 
 from ladle import LLM, SamplingParams
-from ladle.hf_reference import first_divergence, rounding_tie
+from ladle.testing.hf_reference import first_divergence, rounding_tie
 
 PROMPT_LENS = [3, 17, 64, 150]
 NEW_TOKENS = 24

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.worker.block_table import BlockTableBuffer
+from ladle.runner.block_table import BlockTableBuffer
 
 
 def test_rows_follow_writes_and_growth() -> None:
@@ -48,7 +48,7 @@ def test_engine_outputs_equal_with_and_without_the_buffer(tiny_qwen3_dir: str) -
     for keep in (True, False):
         llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=9)
         if not keep:
-            llm.engine.core.runner.requests.block_tables = None
+            llm.engine.core.model_executor.runner.requests.block_tables = None
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.stats.num_preemptions > 0 and llm.stats.prefix_cache_hits > 0
     assert outs[0] == outs[1]

@@ -1,4 +1,4 @@
-"""Lending the API process's reserved CPUs to the engine's steps while they idle (ladle/engine/cpu_lending.py):
+"""Lending the API process's reserved CPUs to the engine's steps while they idle (ladle/startup/cpu_lending.py):
 the load arithmetic, the lender's decisions, the real thing in a pinned engine process beside a busy
 neighbour, and the property that makes it safe: a step gives the same bits at any thread count."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
-from ladle.engine.cpu_lending import OTHER_LOAD_LIMIT, WINDOW_S, CpuLender, CpuLending, CpuTicks, other_load, read_ticks
+from ladle.startup.cpu_lending import OTHER_LOAD_LIMIT, WINDOW_S, CpuLender, CpuLending, CpuTicks, other_load, read_ticks
 from ladle.config import Provenance
-from ladle.engine.threads import keep_lending, usable_cpus
+from ladle.startup.threads import keep_lending, usable_cpus
 
 
 def test_other_load_leaves_out_this_process_own_time():
@@ -78,7 +78,7 @@ def test_a_mixture_of_experts_model_is_not_lent_to(moe_dir):
     """Its experts' index_add_ sums differ by thread count, so load would change its outputs."""
     lending = CpuLending(base_threads=1, cpus=(0, 1))
     prov = Provenance(frozenset())
-    moe = LLM(moe_dir, num_threads=1).engine.core.runner.model
+    moe = LLM(moe_dir, num_threads=1).engine.core.model_executor.runner.model
     assert keep_lending(lending, torch.nn.Sequential(torch.nn.Linear(2, 2)), prov) is lending
     assert keep_lending(lending, moe, prov) is None
     assert prov.settings["lent_cpus"].value == "none" and "mixture-of-experts" in prov.settings["lent_cpus"].reason
@@ -121,7 +121,7 @@ busy = run(0), core.lender.threads, core.stats.steps_with_lent_cpus
 spin.kill(); spin.wait()
 # Whatever else this machine runs, the lender's readings now say no one else uses the CPUs (it is the lending
 # decision under test, not the machine's load; the busy half above read the real /proc/stat).
-from ladle.engine.cpu_lending import CpuTicks
+from ladle.startup.cpu_lending import CpuTicks
 calls = iter(range(1, 10**9))
 def quiet():
     k = next(calls)

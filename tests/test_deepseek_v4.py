@@ -138,7 +138,7 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
     spec = config.kv_layout.groups[0].spec
     layers = len(MIXES["small_window"]["layer_types"])
     assert spec.kv_shared and config.plan.inputs.kv_bytes_per_token == layers * spec.head_dim * 4
-    k, v = llm.engine.core.runner.kv_caches[0]
+    k, v = llm.engine.core.model_executor.runner.kv_caches[0]
     assert k is v
     # Entries are paged by entry position, one group per kind: CSA's (1 per 4 tokens), HCA's (1 per 16) and the
     # indexer's keys (half as wide: 32 to a block); the state slots hold only groups not complete yet, so a
@@ -200,7 +200,7 @@ def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_p
     compressed entry are in it: a budget with room for a step of about 1,536 tokens derives such a chunk, a
     2,536-token prompt is split and its measured peak stays inside the budget, and an explicit single pass
     of it is refused with the largest chunk that fits."""
-    from ladle.engine.memory import measure_peak
+    from ladle.startup.memory import measure_peak
 
     build(tmp_path, 3, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], sliding_window=32,
           index_topk=16, compress_rates={CSA: 4, HCA: 128}, max_position_embeddings=4096)
@@ -210,7 +210,7 @@ def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_p
     llm = LLM(str(tmp_path), memory_budget=budget)
     step = llm.config.max_num_batched_tokens
     assert llm.config.settings["max_num_batched_tokens"].source == "derived" and 1024 < step < 2048
-    held = {t.data_ptr(): t for cache in llm.engine.core.runner.kv_caches for t in cache}  # pool and state slots
+    held = {t.data_ptr(): t for cache in llm.engine.core.model_executor.runner.kv_caches for t in cache}  # pool and state slots
     kv = sum(t.numel() * t.element_size() for t in held.values())
     outs: list = []
     prompt = {"prompt_token_ids": prompts_of([2536], 5)[0]}

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ladle.engine.detokenizer import IncrementalDetokenizer
+from ladle.frontend.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = [
     "Hello, world! 你好，世界！",

@@ -9,11 +9,11 @@ import torch
 
 from ladle import LLM, SamplingParams
 from ladle.engine.core import EngineStepError
-from ladle.engine.output_processor import OutputProcessor
+from ladle.frontend.output_processor import OutputProcessor
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.sampling_params import InvalidSamplingParam
-from ladle.worker.sampler import FAILED, Sampler
-from ladle.worker.sampling_batch import SamplingMetadata, sampling_metadata
+from ladle.runner.sampler import FAILED, Sampler
+from ladle.runner.sampling_batch import SamplingMetadata, sampling_metadata
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -52,7 +52,7 @@ def generate_poisoned(llm: LLM, batch: list[dict], params: list[SamplingParams],
                       rows: int) -> list:
     """llm.generate, except that once `after_steps` steps have run, logits row `row` of every step sampling
     `rows` rows is NaN (a model fault that hits one request mid-stream)."""
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.model_executor.runner.model
     steps = [0]
     clean = model.compute_logits
 

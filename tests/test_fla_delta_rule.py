@@ -89,7 +89,7 @@ def test_a_qwen3_5_model_runs_the_fla_rule_end_to_end(tmp_path):
     want = [o.outputs[0].token_ids for o in LLM(path, max_num_batched_tokens=16).generate(prompts, greedy,
                                                                                            use_tqdm=False)]
     llm = LLM(path, max_num_batched_tokens=16)
-    mixers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    mixers = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, GatedDeltaNet)]
     ops = TritonOps()
     assert ops.has_fla and mixers
     for m in mixers:

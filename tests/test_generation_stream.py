@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ladle.engine.async_client import RequestHandle
+from ladle.serving.async_client import RequestHandle
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.entrypoints.generation_stream import _SLICE, GenerationStream, TokenTexts, coalesce
 from ladle.entrypoints.metrics import ServerMetrics

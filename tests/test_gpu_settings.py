@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated (see test_triton_kernels.py)
 
 from ladle import LLM, SamplingParams
-from ladle.engine.planner import MiB, PlanInputs, plan_memory
-from ladle.engine.profiling import ActivationModel
-from ladle.worker.cuda_graphs import DecodeGraphs
-from ladle.worker.mixed_graphs import MixedGraphs
+from ladle.startup.planner import MiB, PlanInputs, plan_memory
+from ladle.startup.profiling import ActivationModel
+from ladle.runner.cuda_graphs import DecodeGraphs
+from ladle.runner.mixed_graphs import MixedGraphs
 
 pytestmark = [pytest.mark.slow]
 
@@ -38,10 +38,10 @@ def test_dummy_load_format_needs_only_a_config(tiny_qwen3_dir: str, tmp_path: Pa
     assert runs[0].config.settings["load_format"].value == "dummy"
     outs = [[o.outputs[0].token_ids for o in llm.generate(prompts(3), GREEDY, use_tqdm=False)] for llm in runs]
     assert outs[0] == outs[1]  # the seed fixes the weights
-    norms = [p for n, p in runs[2].engine.core.runner.model.named_parameters() if n.endswith("norm.weight")]
+    norms = [p for n, p in runs[2].engine.core.model_executor.runner.model.named_parameters() if n.endswith("norm.weight")]
     assert norms and all(bool((p == 1).all()) for p in norms)
-    weights = dict(runs[0].engine.core.runner.model.named_parameters())
-    other = dict(runs[2].engine.core.runner.model.named_parameters())
+    weights = dict(runs[0].engine.core.model_executor.runner.model.named_parameters())
+    other = dict(runs[2].engine.core.model_executor.runner.model.named_parameters())
     embed = "model.embed_tokens.weight"  # the linear layers' weights are packed for oneDNN on CPU (no parameter)
     assert abs(float(weights[embed].std()) - 0.02) < 0.005 and not torch.equal(weights[embed], other[embed])
 
@@ -50,7 +50,7 @@ def test_cuda_graph_settings_on_cpu(tiny_qwen3_dir: str) -> None:
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
     setting = llm.config.settings["max_cudagraph_capture_size"]
     assert (setting.value, setting.source) == (0, "derived") and "cpu" in setting.reason
-    assert llm.config.plan.inputs.graph_bytes == 0 and llm.engine.core.runner.graphs is None
+    assert llm.config.plan.inputs.graph_bytes == 0 and llm.engine.core.model_executor.runner.graphs is None
     with pytest.raises(ValueError, match="max_cudagraph_capture_size=8 needs CUDA graphs"):
         LLM(tiny_qwen3_dir, max_cudagraph_capture_size=8)
     with pytest.raises(ValueError, match="must be a positive integer"):
@@ -98,7 +98,7 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     # Built (and profiled) before the interpreter is in; async scheduling feeds most steps' input tokens to
     # the graph buffers straight from the previous step's device tensor.
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, async_scheduling=True)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.model_executor.runner
     # The whole CUDA code path but capture: the Triton backend and fused ops, run by the interpreter.
     set_ops(runner.model, TritonOps())
     runner.backends = (TritonAttention(),)
@@ -144,7 +144,7 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     plain = LLM(path, max_num_batched_tokens=32)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
     llm = LLM(path, max_num_batched_tokens=32)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.model_executor.runner
     set_ops(runner.model, TritonOps())
     runner.backends = (TritonAttention(),)
     mixed = MixedGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 32,

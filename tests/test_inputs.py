@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ladle.worker import inputs
-from ladle.worker.inputs import ScheduledChunk, build_step_inputs
+from ladle.runner import inputs
+from ladle.runner.inputs import ScheduledChunk, build_step_inputs
 
 
 def test_mixed_step_metadata():

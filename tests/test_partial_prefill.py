@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ladle.config import EngineArgs, EngineConfig
-from ladle.engine.partial_prefill import PartialPrefillLimits, fair_shares
+from ladle.engine.fair_shares import fair_shares
+from ladle.startup.partial_prefill import PartialPrefillLimits
 from ladle.engine.scheduler import Scheduler
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected, RequestStatus

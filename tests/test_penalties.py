@@ -9,7 +9,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ladle import LLM, SamplingParams
-from ladle.worker.penalty_counts import PenaltyCounts
+from ladle.runner.penalty_counts import PenaltyCounts
 
 
 @torch.inference_mode()
@@ -55,7 +55,7 @@ def test_penalties_equal_hf_under_chunking_and_preemption(tiny_qwen3_dir: str, h
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.stats.num_preemptions > 0
     # Only as many rows as requests sample at once; the table is back to free once every request ended.
-    counts = llm.engine.core.runner.penalties
+    counts = llm.engine.core.model_executor.runner.penalties
     assert counts.max_rows == 4 and len(counts.free) == 4
 
 

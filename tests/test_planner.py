@@ -8,9 +8,9 @@ import torch
 
 from ladle import LLM, SamplingParams
 from ladle.config import parse_bytes
-from ladle.engine.memory import measure_peak
-from ladle.engine.planner import PlanInputs, plan_memory
-from ladle.engine.profiling import ActivationModel, profile_points
+from ladle.startup.memory import measure_peak
+from ladle.startup.planner import PlanInputs, plan_memory
+from ladle.startup.profiling import ActivationModel, profile_points
 
 MiB = 2**20
 
@@ -71,7 +71,7 @@ def test_small_budget_derives_a_chunk_that_fits_and_refuses_one_that_does_not(ti
     assert 1024 < step < 2048 and step % 64 == 0 and cfg.max_model_len == max_len
     prompt_len = 2536
     core = llm.engine.core
-    kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in core.runner.kv_caches)
+    kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in core.model_executor.runner.kv_caches)
     outs = []
     peak = measure_peak(lambda: outs.extend(llm.generate(tokens(prompt_len), GREEDY, use_tqdm=False)),
                         torch.device("cpu"))
@@ -110,7 +110,7 @@ def test_predicted_activation_peak_within_20_percent(tmp_path):
     model = llm.engine.core.config.plan.inputs.activation
     core = llm.engine.core
     cfg = core.hf_config
-    check = profile_points(core.runner.model, core.config.kv_layout, torch.device("cpu"), cfg.vocab_size,
+    check = profile_points(core.model_executor.runner.model, core.config.kv_layout, torch.device("cpu"), cfg.vocab_size,
                            [256, 768, 2048], 4096, [32])
     prefills = [p for p in check if p.kind == "prefill"]
     assert {(p.num_tokens, p.context) for p in prefills} == {(t, c) for t in (256, 768, 2048) for c in (t, 4096)}

@@ -15,7 +15,7 @@ from ladle.config import EngineConfig
 from ladle.demo import build_checkpoint
 from ladle.kv_cache import block_pool
 from ladle.kv_cache.manager import KVCacheManager
-from ladle.engine.llm_engine import LLMEngine
+from ladle.frontend.llm_engine import LLMEngine
 from ladle.engine.scheduler import Scheduler
 from ladle.request import Request
 
@@ -190,12 +190,12 @@ def test_block_aligned_full_hit_never_writes_the_shared_block(tiny_qwen3_dir, hf
     first = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     cached = sorted(core.kv.pool.cached_block_hash_to_block.values())
     assert len(cached) == 4
-    before = [(k[cached].clone(), v[cached].clone()) for k, v in core.runner.kv_caches]
+    before = [(k[cached].clone(), v[cached].clone()) for k, v in core.model_executor.runner.kv_caches]
     with caplog.at_level(logging.DEBUG, logger="ladle.scheduler"):
         again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert core.stats.prefix_cache_hits == 48  # the last block is recomputed, into a block of its own
     assert "prefill chunk request=1 chunk_size=16 remain=16 cached=48" in caplog.text  # diagnostics see hits
-    for (k, v), (k0, v0) in zip(core.runner.kv_caches, before):
+    for (k, v), (k0, v0) in zip(core.model_executor.runner.kv_caches, before):
         assert torch.equal(k[cached], k0) and torch.equal(v[cached], v0)
     longer = prompt + rand_ids(16, seed=61)
     third = llm.generate({"prompt_token_ids": longer}, params, use_tqdm=False)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import pytest
 
 from ladle import LLM, SamplingParams
-from ladle.engine import profile_cache
-from ladle.engine.profiling import profile_shapes
+from ladle.startup import profile_cache
+from ladle.startup.profiling import profile_shapes
 
 _SMALL = dict(max_model_len=256, num_kv_blocks=16)  # profiles prefill 64/256 tokens, decodes up to 128 rows
 _GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -104,14 +104,14 @@ def test_state_per_request_does_not_grow_with_the_prompt(tmp_path):
     core = llm.engine.core
     layout = core.config.kv_layout
     linear = [i for g in layout.state_groups for i in g.layers]
-    before = [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.runner.kv_caches[i]]
-    assert [tuple(t.shape)[0] for i in linear for t in core.runner.kv_caches[i]] == [4] * 2 * len(linear)
+    before = [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.model_executor.runner.kv_caches[i]]
+    assert [tuple(t.shape)[0] for i in linear for t in core.model_executor.runner.kv_caches[i]] == [4] * 2 * len(linear)
     seen: list[tuple[int, int]] = []
     core.before_execute = lambda sched: seen.extend(
         (core.kv.held_blocks(s.request.request_id), len(core.kv.state_slots)) for s in sched.scheduled)
     ladle_tokens(llm, _prompts([3000], 9), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert max(b for b, _ in seen) == -(-3001 // 16) and {n for _, n in seen} == {1}
-    assert [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.runner.kv_caches[i]] == before
+    assert [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.model_executor.runner.kv_caches[i]] == before
     # The plan's per-token bytes count the one full-attention layer; the state is per request.
     spec = layout.groups[0].spec
     assert core.config.plan.inputs.kv_bytes_per_token == 2 * spec.num_kv_heads * spec.head_dim * 4
@@ -123,7 +123,7 @@ def test_a_step_that_fails_after_its_state_advanced_ends_only_the_failing_reques
     the others restart from their first token, a snapshot guards the retries, and their tokens are HF's."""
     path, _, prompts, want = case
     llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=64)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.model_executor.runner.model
     poison = 511
     current: list[torch.Tensor] = []
 
@@ -144,7 +144,7 @@ def test_a_step_that_fails_after_its_state_advanced_ends_only_the_failing_reques
     outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, bad]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:-1]] == want
     assert outs[-1].outputs[0].finish_reason == "error"
-    assert llm.stats.state_restarts >= 1 and not llm.engine.core.executor.suspects
+    assert llm.stats.state_restarts >= 1 and not llm.engine.core.step_executor.suspects
     assert llm.engine.core.kv.num_free_blocks == 128 and not llm.engine.core.kv.state_slots
 
 

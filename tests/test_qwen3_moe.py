@@ -9,10 +9,10 @@ import torch
 
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
-from ladle.engine.memory import measure_peak
+from ladle.startup.memory import measure_peak
 from ladle.models.moe import SparseMoeBlock, route
-from ladle.worker.inputs import ScheduledChunk
-from ladle.worker.sampling_batch import sampling_metadata
+from ladle.runner.inputs import ScheduledChunk
+from ladle.runner.sampling_batch import sampling_metadata
 
 PROMPT_LENS = [1, 3, 17, 64, 150]
 NEW_TOKENS = 8
@@ -88,12 +88,12 @@ def test_a_step_with_every_token_on_the_same_experts_stays_within_the_plan(tmp_p
     blocks = list(range(-(-2048 // core.config.block_size)))
     chunk = ScheduledChunk(_prompts([512], 5)[0], 2048 - 512, blocks, True)
     meta = sampling_metadata([SamplingParams(temperature=0)], 512, prompts=[chunk.token_ids])
-    moe = [m for m in core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    moe = [m for m in core.model_executor.runner.model.modules() if isinstance(m, SparseMoeBlock)]
     peaks = {}
     for force in (False, True):
         for m in moe:
             m.force_worst_routing = force
-        peaks[force] = measure_peak(lambda: core.runner.run([chunk], meta), torch.device("cpu"))
+        peaks[force] = measure_peak(lambda: core.model_executor.runner.run([chunk], meta), torch.device("cpu"))
     for m in moe:
         m.force_worst_routing = False
     assert peaks[True] > 1.5 * peaks[False], peaks  # the worst routing is what costs

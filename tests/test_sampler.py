@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ladle.sampling_params import SamplingParams
-from ladle.worker.sampler import Sampler, _draw, _inverse_cdf, _min_p, _sorted_weights
-from ladle.worker.sampling_batch import (
+from ladle.runner.sampler import Sampler, _draw, _inverse_cdf, _min_p, _sorted_weights
+from ladle.runner.sampling_batch import (
     Filters, SamplingBatch, SamplingMetadata, counter_uniforms, sampling_metadata, seed_keys,
 )
 

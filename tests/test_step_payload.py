@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 from ladle import LLM, SamplingParams
-from ladle.worker.payload import StateUpdate
+from ladle.runner.payload import StateUpdate
 
 _LEAVES = (str, int, float, bool, type(None))
 
@@ -29,7 +29,7 @@ def assert_plain(x: Any, path: str = "payload", live: frozenset[int] = frozenset
             assert_plain(k, f"{path} key", live)
             assert_plain(v, f"{path}[{k!r}]", live)
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-        assert type(x).__module__.startswith(("ladle.worker.payload", "ladle.sampling_params")), (path, type(x))
+        assert type(x).__module__.startswith(("ladle.runner.payload", "ladle.sampling_params")), (path, type(x))
         for f in dataclasses.fields(x):
             assert_plain(getattr(x, f.name), f"{path}.{f.name}", live)
     else:
@@ -52,7 +52,7 @@ def test_the_runner_needs_nothing_but_pickled_payloads(tiny_qwen3_dir):
     batch = _prompts(8, 3)
     want = _run(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=256), batch)
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=12)  # tight: decodes preempt
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.model_executor.runner
     apply, execute, seen = runner.apply, runner.execute, []
 
     kv = llm.engine.core.kv

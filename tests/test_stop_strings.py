@@ -7,9 +7,9 @@ from typing import Sequence
 
 import pytest
 
-from ladle.engine.detokenizer import IncrementalDetokenizer
-from ladle.engine.output_processor import OutputProcessor
-from ladle.engine.stop_strings import StopMatcher
+from ladle.frontend.detokenizer import IncrementalDetokenizer
+from ladle.frontend.output_processor import OutputProcessor
+from ladle.frontend.stop_strings import StopMatcher
 from ladle.sampling_params import SamplingParams
 
 # Token id -> text: single chars, a few multi-char tokens, and an empty one (a token count that is not

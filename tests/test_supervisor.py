@@ -7,8 +7,8 @@ import asyncio
 import multiprocessing
 from typing import Any
 
-from ladle.engine.engine_process import EngineInfo, EngineSnapshot
-from ladle.engine.supervisor import EngineState, EngineSupervisor, SupervisorConfig
+from ladle.serving.engine_process import EngineInfo, EngineSnapshot
+from ladle.serving.supervisor import EngineState, EngineSupervisor, SupervisorConfig
 
 
 class FakeProcess:

@@ -36,12 +36,12 @@ def _prompts(lens: list[int], seed: int) -> list[list[int]]:
 
 
 def _worker_pids(parent: int) -> list[int]:
-    """The tensor-parallel ranks a process started (its children running ladle.distributed.worker)."""
+    """The tensor-parallel ranks a process started (its children running ladle.executor.tp_worker)."""
     pids = []
     for task in Path(f"/proc/{parent}/task").iterdir():
         for child in (task / "children").read_text().split():
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"ladle.distributed.worker" in cmdline:
+            if b"ladle.executor.tp_worker" in cmdline:
                 pids.append(int(child))
     return pids
 
@@ -159,10 +159,10 @@ def test_an_explicit_setting_tensor_parallelism_cannot_honour_is_refused(tiny_qw
 
 def test_a_failure_inside_the_sharded_forward_ends_the_engine_instead_of_retrying(tiny_qwen3_dir):
     """Retrying would send rank 0 into collectives the other rank is not in: the step must fail at once."""
-    from ladle.distributed.workers import TensorParallelError
+    from ladle.executor.tensor_parallel import TensorParallelError
 
     with LLM(tiny_qwen3_dir, tensor_parallel_size=2, max_model_len=512) as llm:
-        model = llm.engine.core.runner.model
+        model = llm.engine.core.model_executor.runner.model
 
         def broken(*args, **kwargs):
             raise MemoryError("injected inside the forward")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ladle import LLM
-from ladle.engine.threads import usable_cpus
+from ladle.startup.threads import usable_cpus
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_reserved_cpus_pin_the_process_to_the_rest():
     """What the server's engine process does (reserved_cpus=1): fewer threads, and the process kept off the
     reserved CPU. In a child process: pinning is process-wide."""
     code = ("import os, torch; from ladle.config import EngineArgs, Provenance; "
-            "from ladle.engine.threads import apply_threads, resolve_threads; "
+            "from ladle.startup.threads import apply_threads, resolve_threads; "
             "args = EngineArgs(model='m', reserved_cpus=1); prov = Provenance(frozenset()); "
             "n = resolve_threads(args, prov); apply_threads(n, torch.device('cpu'), pin=True); "
             "print(n, torch.get_num_threads(), sorted(os.sched_getaffinity(0)), prov.settings['num_threads'].reason)")
@@ -62,7 +62,7 @@ def test_reserved_cpus_pin_the_process_to_the_rest():
 def test_each_openmp_thread_is_bound_to_its_own_cpu():
     """vLLM's per-thread binding: after bind_openmp_threads, torch's team (reused by a real matmul) holds one
     thread per CPU, each with a one-CPU mask, and the matmul still gives the right answer."""
-    code = ("import torch; from pathlib import Path; from ladle.engine.threads import bind_openmp_threads as bind, "
+    code = ("import torch; from pathlib import Path; from ladle.startup.threads import bind_openmp_threads as bind, "
             "usable_cpus; cpus = usable_cpus()[:2]; torch.set_num_threads(2); print(bind(cpus)); "
             "x = torch.randn(512, 512, dtype=torch.float64); assert torch.allclose(x @ x.T, (x @ x.T).T); "
             "print(' '.join(line.split()[-1] for t in Path('/proc/self/task').iterdir() "

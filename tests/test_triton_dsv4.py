@@ -30,7 +30,7 @@ def test_a_deepseek_v4_model_on_the_triton_path_gives_the_reference_tokens(tmp_p
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32, max_prefill_length=13)
     want = ladle_tokens(llm, prompts, params)
-    for layer in llm.engine.core.runner.model.layers:
+    for layer in llm.engine.core.model_executor.runner.model.layers:
         layer.attn.ops = TritonOps()
     assert ladle_tokens(llm, prompts, params) == want
 
@@ -39,7 +39,7 @@ def test_a_deepseek_v4_model_on_the_triton_path_gives_the_reference_tokens(tmp_p
 def test_the_attention_kernel_compiles_for_hopper():
     """Flash's shape (512 head dims) in bf16 and fp32: the interpreter cannot catch what ptxas does."""
     compile_for_sm90("""
-from ladle.kernels.triton_dsv4 import _dsv4_attention_kernel
+from ladle.attention.triton_dsv4 import _dsv4_attention_kernel
 for dtype in ("*bf16", "*fp32"):
     types = {"q_ptr": dtype, "pool_ptr": dtype, "ent_ptr": dtype, "table_ptr": "*i32", "req_ptr": "*i64",
              "pos_ptr": "*i64", "extra_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": dtype, "stride_qt": "i32",

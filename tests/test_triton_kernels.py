@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 from ladle.attention import torch_ref as reference  # noqa: E402
 from ladle.attention import triton_attention as kernels  # noqa: E402
 from ladle.attention.metadata import AttentionMetadata  # noqa: E402
-from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs  # noqa: E402
+from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
@@ -187,7 +187,7 @@ def test_decode_graph_buffers_pad_without_side_effects() -> None:
     """The CUDA-graph decode path (captured on a GPU, eager on CPU): two decodes padded to a batch of 4 give
     the logits of a plain step, and the padding rows neither write KV (slot -1) nor read it (context 0)."""
     from ladle.attention.backends import TritonAttention
-    from ladle.worker.cuda_graphs import DecodeGraphs
+    from ladle.runner.cuda_graphs import DecodeGraphs
 
     backend = TritonAttention()
     model = tiny_qwen3().to(DEVICE)

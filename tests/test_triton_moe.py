@@ -94,7 +94,7 @@ def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path):
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=32)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=32, enable_prefix_caching=False)
-    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, Experts)]
+    experts = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, Experts)]
     for m in experts:
         m.ops = TritonOps()
     assert experts and [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want

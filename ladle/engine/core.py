@@ -5,20 +5,16 @@ import atexit
 import gc
 import logging
 import time
-import weakref
 from typing import Callable
 
 import torch
 from transformers import GenerationConfig
 
-from ladle.config import EngineArgs, EngineConfig, resolve_device
+from ladle.config import EngineArgs, EngineConfig
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.cpu_lending import CpuLender
-from ladle.distributed.parallel_state import (
-    SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
-)
-from ladle.distributed.workers import DriverRunner, WorkerGroup
-from ladle.engine.setup import build_runner, load_and_plan
+from ladle.startup.cpu_lending import CpuLender
+from ladle.executor.executor import Executor
+from ladle.executor.factory import create_executor
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
@@ -27,8 +23,8 @@ from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus
 from ladle.sampling_params import SamplingParams
-from ladle.worker.model_runner import PendingStep, SampledToken
-from ladle.worker.sampler import FAILED
+from ladle.runner.model_runner import PendingStep, SampledToken
+from ladle.runner.sampler import FAILED
 
 logger = logging.getLogger("ladle")
 
@@ -53,59 +49,24 @@ def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _release_group(workers: WorkerGroup) -> None:
-    workers.close()
-    close_tensor_parallel()
-
-
 class EngineCore:
     def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
-        self.tp, self.workers = SINGLE, None
-        self._release: Callable[[], object] = lambda: None
-        if args.tensor_parallel_size > 1:
-            # Ranks 1..N-1 start now and load beside this one; load_and_plan runs on every rank at once.
-            check_no_process_group()
-            level = logging.getLevelName(logger.getEffectiveLevel())
-            self.workers = WorkerGroup(args, explicit, args.tensor_parallel_size, level)
-            # Stopped and left on shutdown(), when the engine is collected, or at interpreter exit.
-            self._release = weakref.finalize(self, _release_group, self.workers)
-        try:
-            if self.workers is not None:
-                self.tp = init_tensor_parallel(0, args.tensor_parallel_size, self.workers.store.port,
-                                               resolve_device(args.device).type, self.workers.store)
-            loaded = load_and_plan(args, explicit, self.tp)
-        except BaseException:
-            self.shutdown()
-            raise
-        self.config: EngineConfig = loaded.config
+        self.model_executor: Executor = create_executor(args, explicit)
+        self.config: EngineConfig = self.model_executor.config
         logger.info("resolved engine settings:\n%s", self.config.report())
         cfg = self.config
-        hf_config = loaded.hf_config
-        self.hf_config = hf_config
-        self.eos_token_ids = eos_token_ids(args.model, hf_config)
+        self.hf_config = self.model_executor.hf_config
+        self.eos_token_ids = eos_token_ids(args.model, self.hf_config)
         layout = cfg.kv_layout
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  windows=layout.windows, num_state_slots=slots, compressions=layout.compressions)
         self.scheduler = Scheduler(cfg, self.kv)
-        self.runner = (build_runner(loaded.model, cfg) if self.workers is None else
-                       build_runner(loaded.model, cfg, DriverRunner, workers=self.workers))
-        # Device memory the CUDA graphs hold, measured at capture (the plan reserved a prediction for it).
-        self.graph_memory_bytes = 0
-        if cfg.max_cudagraph_capture_size:
-            start = time.perf_counter()
-            mixed = min(cfg.max_cudagraph_capture_size, cfg.max_num_batched_tokens)
-            mixed = mixed if cfg.cudagraph_mode == "FULL" and mixed > 1 else 0  # a step of 1 token is a decode
-            self.graph_memory_bytes = self.runner.capture_graphs(
-                cfg.max_model_len, min(cfg.max_cudagraph_capture_size, cfg.max_num_seqs), mixed, cfg.max_num_seqs)
-            logger.info("captured CUDA graphs for decode batches up to %d and steps with a prefill chunk up to %d "
-                        "tokens in %.1f s: %.1f MiB (plan reserved %.1f MiB)", cfg.max_cudagraph_capture_size,
-                        mixed, time.perf_counter() - start, self.graph_memory_bytes / 2**20,
-                        cfg.plan.inputs.graph_bytes / 2**20)
+        self.model_executor.capture_graphs()
         self.stats = EngineStats()
         self.lender = (None if cfg.cpu_lending is None else
                        CpuLender(cfg.cpu_lending, torch.set_num_threads))  # reserved CPUs, borrowed while idle
-        self.executor = StepExecutor(self.runner, cfg.block_size, cfg.device, self.stats)
+        self.step_executor = StepExecutor(self.model_executor, cfg.block_size, cfg.device, self.stats)
         self.sync = RunnerSync()  # what the runner has been told of each request
         # Everything alive now (torch, transformers, the model) lives as long as the engine: keep the
         # collector from walking it again and again (a full pass cost 6 of 14 ms per step at 256 decodes).
@@ -119,17 +80,16 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op on one device)."""
-        self._release()
-        self.tp = SINGLE
+        self.model_executor.shutdown()
 
     @property
     def before_execute(self) -> Callable[[SchedulerOutput], None] | None:
         """A test hook run before each forward call (e.g. to inject an out-of-memory error)."""
-        return self.executor.before_execute
+        return self.step_executor.before_execute
 
     @before_execute.setter
     def before_execute(self, hook: Callable[[SchedulerOutput], None] | None) -> None:
-        self.executor.before_execute = hook
+        self.step_executor.before_execute = hook
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_token_ids:
@@ -187,10 +147,10 @@ class EngineCore:
                 return []
             if self.lender is not None:
                 self.stats.steps_with_lent_cpus += self.lender.before_step() > self.lender.lending.base_threads
-            self.runner.apply(self.sync.update(sched, self.kv))
+            self.model_executor.apply(self.sync.update(sched, self.kv))
             pending = self._launch(sched) if self._can_defer() else None
             if pending is None:
-                result = self.executor.run(sched)
+                result = self.step_executor.run(sched)
                 self._record(result.sched, (time.perf_counter() - start) * 1000)
                 restarted = [r for r in map(self.scheduler.find, result.restarted) if r is not None]
                 self.scheduler.restart(restarted)
@@ -200,7 +160,7 @@ class EngineCore:
                 return self._end_step(sched, failed + self._update(result.sched, result.sampled))
         nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
         if nxt is not None:
-            self.runner.apply(self.sync.update(nxt, self.kv))
+            self.model_executor.apply(self.sync.update(nxt, self.kv))
             ahead = self._launch(nxt, pending.token_ids)
             self._ahead = None if ahead is None else (nxt, ahead)
             self.stats.steps_ahead += ahead is not None
@@ -216,7 +176,7 @@ class EngineCore:
         """runner.launch, or None when it runs out of memory: the synchronous path, with its retries, then
         runs the step (a step launched ahead is simply scheduled again; its KV slots get the same values)."""
         try:
-            return self.runner.launch(chunk_specs(sched), input_ids)
+            return self.model_executor.launch(chunk_specs(sched), input_ids)
         except (torch.OutOfMemoryError, MemoryError) as e:
             logger.warning("out of memory launching a step (%s); it runs synchronously", type(e).__name__)
             if self.config.device.type == "cuda":
@@ -226,7 +186,7 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.sync.forget(req.request_id)
-        self.executor.forget(req.request_id)
+        self.step_executor.forget(req.request_id)
 
     def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:
         req = self.scheduler.find(failure.request_id)
@@ -239,7 +199,7 @@ class EngineCore:
         """The tail of every step: count steps that failed for every request in them (raising when that
         happens too often in a row), and when the engine goes idle let the runner forget who finished."""
         if not self.has_unfinished_requests():
-            self.runner.apply(self.sync.flush())
+            self.model_executor.apply(self.sync.flush())
         failed = sum(o.finish_reason == "error" for o in outs)
         if sched.scheduled and failed == len(sched.scheduled):
             self._failed_steps_in_a_row += 1

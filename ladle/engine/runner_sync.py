@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager
-from ladle.worker.payload import NewRequest, RequestDiff, StateUpdate
+from ladle.runner.payload import NewRequest, RequestDiff, StateUpdate
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Token-budget scheduler with chunked prefill (Sarathi-style order, vLLM v1-style accounting).
 
 Each step serves, within max_num_batched_tokens: running decodes first, then the prefills, which share what
-is left (ladle.engine.partial_prefill): the running partial prefills and waiting requests admitted beside them,
+is left (ladle.startup.partial_prefill): the running partial prefills and waiting requests admitted beside them,
 at most max_num_partial_prefills of them and max_long_partial_prefills long ones, each chunk also within
 max_prefill_length. So no forward call sees more tokens than the budget, no request more than its chunk cap,
 and a long prompt does not keep short ones waiting for its whole prefill.
@@ -19,7 +19,8 @@ import logging
 from dataclasses import dataclass, replace
 
 from ladle.config import EngineConfig
-from ladle.engine.partial_prefill import default_limits, fair_shares
+from ladle.engine.fair_shares import fair_shares
+from ladle.startup.partial_prefill import default_limits
 from ladle.engine.request_queue import RequestQueue
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager

@@ -4,7 +4,7 @@
   alone. The KV of a retried step lands in the same slots, so nothing is lost and no output changes.
 - Any other exception: the step is split in halves and each half runs, recursively, so only a request that
   fails alone is ended; the others get the outputs they would have got without it.
-- A seeded request's draw is a function of its seed and the position drawn (ladle.worker.sampling_batch), so
+- A seeded request's draw is a function of its seed and the position drawn (ladle.runner.sampling_batch), so
   a retried step draws what the first attempt would have.
 - Models with a per-request state (Gated DeltaNet) advance it in place, so a step that failed after its
   forward began cannot simply run again. Its requests restart from their first token (as a preemption does:
@@ -25,8 +25,9 @@ import torch
 
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
-from ladle.worker.model_runner import ModelRunner, SampledToken
-from ladle.worker.payload import ChunkSpec
+from ladle.executor.executor import Executor, FatalStepError
+from ladle.runner.model_runner import SampledToken
+from ladle.runner.payload import ChunkSpec
 
 logger = logging.getLogger("ladle")
 
@@ -36,11 +37,6 @@ _OOM = (torch.OutOfMemoryError, MemoryError)
 def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
     """The step as the runner sees it: request ids and positions, no live objects."""
     return [ChunkSpec(s.request.request_id, s.start_pos, s.num_new_tokens, s.samples) for s in sched.scheduled]
-
-
-class FatalStepError(RuntimeError):
-    """A failure after which no retry is sound (a tensor-parallel rank broke off mid-step, leaving the group's
-    collectives out of step): the engine ends, and a server's supervisor starts a new one."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +54,9 @@ class StepResult:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, min_tokens: int, device: torch.device, stats: EngineStats) -> None:
-        self.runner = runner
+    def __init__(self, executor: Executor, min_tokens: int, device: torch.device, stats: EngineStats) -> None:
+        self.executor = executor
+        self.runner = executor.runner  # rank 0's, whose state slots a retry snapshots
         self.min_tokens = min_tokens  # an OOM retry never goes below this many tokens (one block)
         self.device = device
         self.stats = stats
@@ -79,7 +76,7 @@ class StepExecutor:
             try:
                 if self.before_execute is not None:
                     self.before_execute(sched)
-                return StepResult(self.runner.execute(chunk_specs(sched)), sched)
+                return StepResult(self.executor.execute(chunk_specs(sched)), sched)
             except FatalStepError:
                 raise
             except _OOM as e:

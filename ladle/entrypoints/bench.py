@@ -226,7 +226,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from ladle.engine.llm_engine import LLMEngine
+    from ladle.frontend.llm_engine import LLMEngine
     from ladle.entrypoints.cli_args import ENGINE_KEYS, resolve_model
 
     model = resolve_model(args.model)

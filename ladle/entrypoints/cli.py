@@ -59,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         raise ValueError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
     engine_args, explicit = engine_args_from_flags(args, args.model)
-    from ladle.engine.setup import load_and_plan
+    from ladle.startup.setup import load_and_plan
 
     if engine_args.tensor_parallel_size > 1:  # every rank plans at once, so the group starts as it would serve
         from ladle.engine.core import EngineCore

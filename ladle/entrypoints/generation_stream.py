@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ladle.engine.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
+from ladle.serving.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.detokenizer import IncrementalDetokenizer
-from ladle.engine.stop_strings import StopMatcher
+from ladle.frontend.detokenizer import IncrementalDetokenizer
+from ladle.frontend.stop_strings import StopMatcher
 from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import OpenAIError, UsageInfo, internal_error
 from ladle.outputs import Logprob

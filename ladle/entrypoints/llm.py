@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from ladle.config import EngineArgs
-from ladle.engine.llm_engine import LLMEngine, PromptType
+from ladle.frontend.llm_engine import LLMEngine, PromptType
 from ladle.engine.stats import EngineStats
 from ladle.outputs import RequestOutput
 from ladle.sampling_params import SamplingParams

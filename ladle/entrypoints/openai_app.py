@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ladle.engine.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
+from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
 from ladle.entrypoints.edge import EdgeLimits, EdgeMiddleware, EdgeState
 from ladle.entrypoints.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any
 
-from ladle.engine.threads import usable_cpus
+from ladle.startup.threads import usable_cpus
 
 
 def replica_app(argv: list[str]) -> Any:

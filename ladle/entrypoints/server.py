@@ -44,7 +44,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     """From `ladle serve`'s flags (checked with check_serve_flags): the engine client, its engine process
     already starting, and everything the app serves with. reserved_cpus: CPUs the engine leaves to this
     process (and pins itself beside; 0 pins nothing)."""
-    from ladle.engine.async_client import AsyncEngineClient, SupervisorConfig
+    from ladle.serving.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli_args import engine_args_from_flags
     from ladle.entrypoints.metrics import ServerMetrics
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from ladle.engine.async_client import AsyncEngineClient
+from ladle.serving.async_client import AsyncEngineClient
 from ladle.entrypoints.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.metrics import ServerMetrics
 from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, internal_error

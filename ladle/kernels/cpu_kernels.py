@@ -5,7 +5,7 @@ gathering it and calling a matmul or the flash kernel runs at a fraction of memo
 does, as vLLM's CPU backend does in its own C++. The library is built with the system C compiler for this
 machine (-march=native) into a cache keyed by the source, compiler and CPU, so only the first start pays for
 it (about a second). It links OpenMP by soname, so inside a process where torch has loaded its libgomp the
-kernels run on torch's thread team (and the binding ladle.engine.threads gave it).
+kernels run on torch's thread team (and the binding ladle.startup.threads gave it).
 
 Location: $LADLE_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/ladle/kernels (~/.cache/ladle/kernels).
 """

@@ -82,7 +82,7 @@ class Dsv4Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads))
-        self.ops: ModelOps = TorchOps()  # TritonOps on CUDA: the attention runs ladle.kernels.triton_dsv4
+        self.ops: ModelOps = TorchOps()  # TritonOps on CUDA: the attention runs ladle.attention.triton_dsv4
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if layer_type != "sliding_attention":
@@ -145,7 +145,7 @@ class Dsv4Attention(nn.Module):
                        entry_pool: torch.Tensor, entry_rows: list[torch.Tensor],
                        picks: list[torch.Tensor | None]) -> torch.Tensor:
         """The same attention in one Triton kernel: each token's compressed entries as pool rows (-1: none)."""
-        from ladle.kernels.triton_dsv4 import dsv4_attention
+        from ladle.attention.triton_dsv4 import dsv4_attention
 
         lens = torch.tensor(attn.query_lens, device=q.device)
         row_request = torch.repeat_interleave(torch.arange(len(attn.query_lens), device=q.device), lens)

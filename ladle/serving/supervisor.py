@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ladle.config import EngineArgs
-from ladle.engine.engine_process import EngineInfo, run_engine_process
+from ladle.serving.engine_process import EngineInfo, run_engine_process
 
 logger = logging.getLogger("ladle.supervisor")
 

@@ -18,7 +18,7 @@ import torch
 
 from ladle.attention.backends import AttentionBackend
 from ladle.attention.metadata import AttentionMetadata
-from ladle.worker.inputs import StepBatch, table_from_lists
+from ladle.runner.inputs import StepBatch, table_from_lists
 
 # Dense where batches are common, sparser above; each size costs one capture at startup.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ladle.engine.cpu_lending import CpuLending, lending_reason
+from ladle.startup.cpu_lending import CpuLending, lending_reason
 
 if TYPE_CHECKING:
     import torch

@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
-from ladle.engine.stop_strings import StopMatcher
+from ladle.frontend.detokenizer import IncrementalDetokenizer, decode_logprobs
+from ladle.frontend.stop_strings import StopMatcher
 from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams
 

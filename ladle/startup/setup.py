@@ -14,19 +14,19 @@ from ladle.config import (
     EngineArgs, EngineConfig, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
     resolve_cudagraph_mode, resolve_cudagraph_size,
 )
-from ladle.engine.memory import device_budget, free_memory_bytes, total_memory_bytes
-from ladle.engine import profile_cache
-from ladle.engine.planner import MemoryPlan, PlanInputs, plan_memory
-from ladle.engine.partial_prefill import resolve_partial_prefills
-from ladle.engine.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
-from ladle.engine.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
+from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
+from ladle.startup import profile_cache
+from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
+from ladle.startup.partial_prefill import resolve_partial_prefills
+from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
+from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
 from ladle.attention.backends import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
-from ladle.worker.block_table import BlockTableBuffer
-from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-from ladle.worker.penalty_counts import PENALTY_BYTES_PER_TOKEN
+from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
 
 
 @dataclass

@@ -63,15 +63,3 @@ def resolve_partial_prefills(args: EngineArgs, prov: Provenance, budget: int) ->
             logger.info("long_prefill_token_threshold=%d says what counts as long; it no longer caps a chunk "
                         "(it did before partial prefills existed): set max_prefill_length for that", threshold)
     return PartialPrefillLimits(num, long, threshold)
-
-
-def fair_shares(demands: list[int], budget: int) -> list[int]:
-    """Max-min fair split of budget: in ascending order of demand each gets min(demand, an equal share of
-    what is left), so nothing is left unused while a demand is unmet."""
-    shares = [0] * len(demands)
-    left = budget
-    order = sorted(range(len(demands)), key=demands.__getitem__)
-    for k, i in enumerate(order):
-        shares[i] = min(demands[i], left // (len(order) - k))
-        left -= shares[i]
-    return shares

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from ladle import paths
-from ladle.engine.profiling import ProfilePoint
+from ladle.startup.profiling import ProfilePoint
 
 logger = logging.getLogger("ladle")
 

@@ -1,7 +1,7 @@
-"""A tensor-parallel rank other than 0: `python -m ladle.distributed.worker FD PARENT_PID`, started by rank 0
-(ladle.distributed.workers.WorkerGroup) with one end of a socket pair as FD.
+"""A tensor-parallel rank other than 0: `python -m ladle.executor.tp_worker FD PARENT_PID`, started by rank 0
+(ladle.executor.tensor_parallel.WorkerGroup) with one end of a socket pair as FD.
 
-It loads its shard and plans with the other ranks (ladle.engine.setup.load_and_plan, the same path as rank 0),
+It loads its shard and plans with the other ranks (ladle.startup.setup.load_and_plan, the same path as rank 0),
 then runs each step rank 0 sends: apply the StateUpdates, run its shard of the forward. Whatever goes wrong,
 it exits, which rank 0 notices; it never outlives rank 0.
 """
@@ -16,11 +16,11 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from ladle.engine.allocator import tune_malloc
+from ladle.startup.allocator import tune_malloc
 from ladle.config import resolve_device
 from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
-from ladle.engine.setup import build_runner, load_and_plan
-from ladle.worker.model_runner import ModelRunner
+from ladle.startup.setup import build_runner, load_and_plan
+from ladle.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ladle")
 

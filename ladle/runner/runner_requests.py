@@ -1,4 +1,4 @@
-"""The runner's copy of the requests it runs, kept up to date by the engine's StateUpdate (ladle.worker.payload):
+"""The runner's copy of the requests it runs, kept up to date by the engine's StateUpdate (ladle.runner.payload):
 tokens and sampling state, each request's row in the persistent block tables and in the penalty counts, and
 each step's columns (StepBatch) built from them in one pass.
 
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from ladle.sampling_params import SamplingParams
-from ladle.worker.block_table import BlockTableBuffer
-from ladle.worker.inputs import StepBatch
-from ladle.worker.payload import ChunkSpec, StateUpdate
-from ladle.worker.penalty_counts import PenaltyCounts
-from ladle.worker.sampling_batch import penalized
+from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.inputs import StepBatch
+from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.penalty_counts import PenaltyCounts
+from ladle.runner.sampling_batch import penalized
 
 
 @dataclass

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from ladle.sampling_params import SamplingParams
-from ladle.worker.penalty_counts import PenaltyCounts
+from ladle.runner.penalty_counts import PenaltyCounts
 
 _MASK64 = (1 << 64) - 1
-# Draws are scaled below 1 - 2**-20, so u x total stays below the total in float32 (ladle.worker.sampler).
+# Draws are scaled below 1 - 2**-20, so u x total stays below the total in float32 (ladle.runner.sampler).
 _BELOW_ONE = 1.0 - 2.0**-20
 
 

@@ -11,8 +11,8 @@ from typing import Callable
 
 from ladle.config import EngineArgs
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.engine_process import ChildSpec, EngineInfo, EngineSnapshot
-from ladle.engine.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
+from ladle.serving.engine_process import ChildSpec, EngineInfo, EngineSnapshot
+from ladle.serving.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
 from ladle.request import RequestRejected
 
 __all__ = ["AsyncEngineClient", "EngineDeadError", "EngineState", "EngineUnavailableError", "RequestHandle",

@@ -19,8 +19,8 @@ import torch
 
 from ladle.attention.backends import AttentionBackend
 from ladle.attention.metadata import AttentionMetadata
-from ladle.worker.cuda_graphs import Captured, capture_graph, fill
-from ladle.worker.inputs import StepBatch, slot_mapping, table_from_lists, token_layout
+from ladle.runner.cuda_graphs import Captured, capture_graph, fill
+from ladle.runner.inputs import StepBatch, slot_mapping, table_from_lists, token_layout
 
 # Each size costs one capture at startup; steps above the largest run eagerly (they are compute-bound).
 TOKEN_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ladle.config import format_bytes
-from ladle.engine.profiling import ActivationModel
+from ladle.startup.profiling import ActivationModel
 from ladle.kv_cache.specs import blocks_held
 
 MiB = 2**20

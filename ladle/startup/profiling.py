@@ -12,13 +12,13 @@ from typing import Callable
 import torch
 
 from ladle.attention.backends import select_backend
-from ladle.engine.memory import measure_peak
+from ladle.startup.memory import measure_peak
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
-from ladle.worker.inputs import ScheduledChunk
-from ladle.worker.model_runner import ModelRunner, allocate_kv_caches
-from ladle.worker.sampling_batch import SamplingMetadata, sampling_batch
+from ladle.runner.inputs import ScheduledChunk
+from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
 
 # The costliest sampling path: sorting for top-k/top-p, penalties over prompt and output, top-20 logprobs.
 # (The penalty counts themselves are reserved by the plan; a profiled step gathers its rows, as a real one.)

@@ -17,7 +17,7 @@ import torch
 
 from ladle.attention.backends import AttentionBackend, TorchAttention
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
-from ladle.worker.step_buffers import StepBuffers
+from ladle.runner.step_buffers import StepBuffers
 
 # A decode-only step of up to this many requests is laid out in Python lists: numpy's fixed cost per call
 # outweighs its speed below it (one thread: 32 vs 60 us at 1 decode, 205 vs 175 us at 256).
@@ -202,7 +202,7 @@ def build_step_inputs(
     compressions: tuple[tuple[int, int], ...] | None = None, buffers: StepBuffers | None = None,
 ) -> StepInputs:
     """block_tables: the step's [requests, >= blocks needed] int32 host table per group, when the caller keeps
-    the tables itself (ladle.worker.block_table); otherwise they are built from the block id lists.
+    the tables itself (ladle.runner.block_table); otherwise they are built from the block id lists.
     windows: each group's sliding window (None: full attention); backends: each group's attention backend,
     chosen at startup (the torch reference when not given). num_state_groups: the model's state groups, which
     all get the same StateMetadata (a request has one slot index in every state layer). compressions: each

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ladle.config import EngineArgs
-from ladle.engine.cpu_lending import WINDOW_S
+from ladle.startup.cpu_lending import WINDOW_S
 from ladle.request import RequestRejected
 
 logger = logging.getLogger("ladle.engine_process")
@@ -228,7 +228,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
     try:
-        from ladle.engine.allocator import tune_malloc
+        from ladle.startup.allocator import tune_malloc
         from ladle.engine.core import EngineCore
 
         if not tune_malloc():
@@ -240,10 +240,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
         _send_quietly(conn, ("startup_failed", str(e) if user_error else f"{type(e).__name__}: {e}", user_error))
         os._exit(1)
-    if core.workers is not None:
-        core.workers.on_death = _exit_on_rank_death
-        if core.workers.failure is not None:
-            _exit_on_rank_death(core.workers.failure)
+    core.model_executor.on_failure(_exit_on_rank_death)
     cfg = core.config
     conn.send(("ready", EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
                                    core.hf_config.vocab_size, cfg.table())))

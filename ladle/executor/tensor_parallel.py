@@ -1,11 +1,11 @@
-"""Rank 0's side of tensor parallelism: it starts ranks 1..N-1 (one process each), sends them every step's
-plain payload, and watches them.
+"""Rank 0's side of tensor parallelism: the executor that starts ranks 1..N-1 (one process each), sends them
+every step's plain payload, and watches them.
 
 The control path is one socket pair per rank (rank 0 pickles a step once and writes the bytes to each), the
 tensors go over torch.distributed. A rank that dies is noticed three ways: its socket reads EOF, rank 0's next
 collective raises (gloo reports the closed connection), and a watcher thread per rank reports its exit at once,
 so an idle server restarts its group without waiting for a request to fail. A rank never outlives rank 0: it
-asks the kernel for SIGKILL when its parent dies (ladle.distributed.worker).
+asks the kernel for SIGKILL when its parent dies (ladle.executor.tp_worker).
 """
 from __future__ import annotations
 
@@ -17,16 +17,20 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import torch
 
-from ladle.config import EngineArgs
-from ladle.distributed.parallel_state import COLLECTIVE_TIMEOUT
-from ladle.engine.step_executor import FatalStepError
-from ladle.worker.model_runner import ModelRunner, SampledToken
-from ladle.worker.payload import ChunkSpec, StateUpdate
+from ladle.config import EngineArgs, resolve_device
+from ladle.distributed.parallel_state import (
+    COLLECTIVE_TIMEOUT, SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
+)
+from ladle.executor.executor import Executor, FatalStepError
+from ladle.runner.model_runner import ModelRunner, SampledToken
+from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.startup.setup import build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
 
@@ -48,7 +52,7 @@ class WorkerGroup:
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, world_size):
             ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "ladle.distributed.worker", str(theirs.fileno()),
+            proc = subprocess.Popen([sys.executable, "-m", "ladle.executor.tp_worker", str(theirs.fileno()),
                                      str(os.getpid())], pass_fds=[theirs.fileno()])
             theirs.close()
             conn = Connection(ours.detach())
@@ -128,3 +132,38 @@ class DriverRunner(ModelRunner):
         except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
             why = self.workers.failure or f"{type(e).__name__}: {e}"
             raise TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})") from e
+
+
+def _release_group(workers: WorkerGroup) -> None:
+    workers.close()
+    close_tensor_parallel()
+
+
+class TensorParallelExecutor(Executor):
+    """Ranks 1..N-1 start at construction and load beside this process (rank 0): load_and_plan runs on every
+    rank at once, and the ranks agree on one plan."""
+
+    def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
+        check_no_process_group()
+        level = logging.getLevelName(logger.getEffectiveLevel())
+        self.workers = WorkerGroup(args, explicit, args.tensor_parallel_size, level)
+        # Stopped and left on shutdown(), when the executor is collected, or at interpreter exit.
+        self._release = weakref.finalize(self, _release_group, self.workers)
+        self.tp = SINGLE
+        try:
+            self.tp = init_tensor_parallel(0, args.tensor_parallel_size, self.workers.store.port,
+                                           resolve_device(args.device).type, self.workers.store)
+            loaded = load_and_plan(args, explicit, self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._adopt(loaded, build_runner(loaded.model, loaded.config, DriverRunner, workers=self.workers))
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        if self.workers.failure is not None:
+            callback(self.workers.failure)
+        self.workers.on_death = callback
+
+    def shutdown(self) -> None:
+        self._release()
+        self.tp = SINGLE

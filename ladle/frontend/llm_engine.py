@@ -5,7 +5,7 @@ from typing import Any
 
 from ladle.config import EngineArgs
 from ladle.engine.core import EngineCore
-from ladle.engine.output_processor import OutputProcessor
+from ladle.frontend.output_processor import OutputProcessor
 from ladle.outputs import RequestOutput
 from ladle.request import Request
 from ladle.sampling_params import SamplingParams

@@ -3,7 +3,7 @@
 Pipeline per row: raw logprobs -> min_tokens -> repetition / frequency / presence penalties
 -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw by inverse CDF from the row's uniform.
 
-Everything a step needs is on the device already (ladle.worker.sampling_batch): no host lists are indexed
+Everything a step needs is on the device already (ladle.runner.sampling_batch): no host lists are indexed
 and nothing is read back before the tokens themselves. On CPU, where a full sort of a 150K vocabulary costs
 about 15 ms a row, top-k / top-p rows sort only their largest candidates when those provably hold every token
 the filters keep, and fall back to the full sort otherwise; on CUDA every filtered row takes the full sort,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.outputs import Logprob
-from ladle.worker.sampling_batch import FilterSplit, Filters, SamplingBatch, SamplingMetadata
+from ladle.runner.sampling_batch import FilterSplit, Filters, SamplingBatch, SamplingMetadata
 
 _NEG_INF = float("-inf")
 FAILED = -1  # the token id of a row that could not be sampled

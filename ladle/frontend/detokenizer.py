@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ladle.engine.stop_strings import StopMatcher
+from ladle.frontend.stop_strings import StopMatcher
 from ladle.outputs import Logprob
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -1,7 +1,7 @@
 """Runs one scheduled step: builds the inputs, calls the model, samples. Nothing else calls the model.
 
 The runner keeps its own copy of every request it runs (tokens, sampling state, block tables), updated by
-the plain StateUpdate the engine sends each step (ladle.worker.payload); it never reads the engine's objects.
+the plain StateUpdate the engine sends each step (ladle.runner.payload); it never reads the engine's objects.
 """
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import torch
 from ladle.attention.backends import AttentionBackend, select_backend
 from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout
 from ladle.outputs import Logprob
-from ladle.worker.block_table import BlockTableBuffer
-from ladle.worker.cuda_graphs import DecodeGraphs
-from ladle.worker.inputs import ScheduledChunk, StepBatch, build_step_inputs
-from ladle.worker.mixed_graphs import MixedGraphs
-from ladle.worker.payload import ChunkSpec, StateUpdate
-from ladle.worker.runner_requests import RunnerRequests
-from ladle.worker.sampler import Sampler, SamplerOutput
-from ladle.worker.penalty_counts import PenaltyCounts
-from ladle.worker.sampling_batch import SamplingBatch, SamplingMetadata
-from ladle.worker.step_buffers import StepBuffers
+from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.cuda_graphs import DecodeGraphs
+from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+from ladle.runner.mixed_graphs import MixedGraphs
+from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.runner_requests import RunnerRequests
+from ladle.runner.sampler import Sampler, SamplerOutput
+from ladle.runner.penalty_counts import PenaltyCounts
+from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
+from ladle.runner.step_buffers import StepBuffers
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class ModelRunner:
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
     def apply(self, update: StateUpdate) -> None:
-        """Take the engine's news of its requests (ladle.worker.runner_requests)."""
+        """Take the engine's news of its requests (ladle.runner.runner_requests)."""
         self.requests.apply(update)
 
     def snapshot_states(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
