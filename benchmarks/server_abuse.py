@@ -105,7 +105,7 @@ def main() -> None:
     model = build_model("tiny")
     port = free_port()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [args.python, "-m", "ladle.entrypoints.server", "--model", model, "--port", str(port),
+    cmd = [args.python, "-m", "ladle.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--num-kv-blocks", "512", "--max-num-batched-tokens", "512", "--max-model-len", "4096"]
     # From a neutral directory: `python -m` puts the working directory first on sys.path.
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd="/")

@@ -23,6 +23,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # ladle's own: the sizes of the prefill chunks this sample's prompt ran in, in order (recomputation after
+    # a preemption included); set when it finishes.
+    prefill_chunks: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

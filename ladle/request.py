@@ -22,6 +22,12 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
+def child_request_ids(parent_id: str, num_children: int) -> list[str]:
+    """The engine requests' ids for one user request of num_children (prompts x n) children, offline and served
+    alike: the parent's own id for a lone child, else parent-i for the i-th (prompt-major)."""
+    return [parent_id] if num_children == 1 else [f"{parent_id}-{i}" for i in range(num_children)]
+
+
 class RequestRejected(ValueError):
     """A request that can never be served; raised when it is added, never after it waited."""
 
@@ -46,6 +52,9 @@ class Request:
     stop_reason: int | None = None
     num_preemptions: int = 0
     num_passed_over: int = 0  # admissions that jumped ahead while the KV pool could not take this one
+    # The prefix cache's keys of the full blocks seen so far (kv_cache.manager), made once per block.
+    block_tokens: list = field(default_factory=list)
+    prefill_chunks: list[int] = field(default_factory=list)  # the sizes of the prefill chunks run, in order
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

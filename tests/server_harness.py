@@ -1,4 +1,4 @@
-"""Runs `python -m ladle.entrypoints.server` as a subprocess on a free loopback port, for the server tests.
+"""Runs `python -m ladle.entrypoints.openai.api_server` as a subprocess on a free loopback port, for the server tests.
 
 Every wait is bounded, and stop() escalates from SIGTERM to SIGKILL (engine process included), so a broken
 server fails a test instead of hanging CI.
@@ -28,7 +28,7 @@ class ServerProcess:
         # command: how to start it, e.g. ["ladle", "serve", DIR]; the module with --model by default.
         # env: extra environment (LADLE_API_KEY there overrides api_key's); max_open_files: RLIMIT_NOFILE, soft
         # and hard, as a locked-down host sets it.
-        start = command or [sys.executable, "-m", "ladle.entrypoints.server", "--model", model_dir]
+        start = command or [sys.executable, "-m", "ladle.entrypoints.openai.api_server", "--model", model_dir]
         self.extra_env = env or {}
         self.max_open_files = max_open_files
         self.cmd = [*start, "--host", "127.0.0.1", "--port", "0", *flags]

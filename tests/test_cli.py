@@ -168,5 +168,5 @@ def test_long_prefill_token_threshold_says_what_is_long_and_does_not_cap_chunks(
     assert llm.config.max_prefill_length == 64 and llm.config.partial_prefills.long_prefill_token_threshold == 24
     assert llm.config.settings["long_prefill_token_threshold"].source == "explicit"
     assert llm.config.settings["max_prefill_length"].source != "explicit"
-    llm.generate({"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert llm.stats.prefill_chunks["0"] == [50]
+    out = llm.generate({"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out[0].outputs[0].prefill_chunks == [50]

@@ -10,14 +10,15 @@ import pytest
 
 from ladle.serving.async_client import RequestHandle
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.entrypoints.generation_stream import _SLICE, GenerationStream, TokenTexts, coalesce
-from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import (
+from ladle.entrypoints.openai.generation_stream import _SLICE, GenerationStream, TokenTexts, coalesce
+from ladle.entrypoints.openai.metrics import ServerMetrics
+from ladle.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatResponseMessage, CompletionLogProbs, CompletionResponse, CompletionResponseChoice, TopLogprob, UsageInfo,
 )
-from ladle.entrypoints.serving_engine import json_pieces, with_choices
+from ladle.entrypoints.openai.serving_engine import json_pieces, with_choices
 from ladle.outputs import Logprob
+from ladle.request import child_request_ids
 from ladle.sampling_params import SamplingParams
 
 
@@ -39,10 +40,11 @@ def make_stream(tokenizer, params: SamplingParams) -> tuple[GenerationStream, Fa
 def outputs_for(n: int, tokens: int, last_reason: str = "length") -> list[EngineCoreOutput]:
     """One output per token and child, interleaved as the engine sends them step by step."""
     outs = []
+    ids = child_request_ids("r", n)
     for t in range(tokens):
         for i in range(n):
             lp = {100 + t % 50: Logprob(-0.5, 1), 7: Logprob(-2.0, 2)}
-            outs.append(EngineCoreOutput(f"r-{i}", [100 + (t * 7 + i) % 300], [lp],
+            outs.append(EngineCoreOutput(ids[i], [100 + (t * 7 + i) % 300], [lp],
                                          last_reason if t == tokens - 1 else None))
     return outs
 
@@ -108,7 +110,7 @@ def test_a_stop_string_ends_the_choice_at_the_output_that_made_it(tokenizer):
     assert choice.finish_reason == "stop" and choice.stop_reason == stop
     first = next(k for k in range(1, 301) if stop in tokenizer.decode(ids[:k]))
     assert len(choice.token_ids) == first  # not the tokens the engine made after it
-    assert client.aborted == [("r", ["r-0"])]
+    assert client.aborted == [("r", ["r"])]  # a lone child has its parent's id
 
 
 def test_coalesce_keeps_order_and_the_last_ending():

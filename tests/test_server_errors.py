@@ -8,9 +8,9 @@ import logging
 
 from fastapi.testclient import TestClient
 
-from ladle.entrypoints.openai_app import ServerState, build_app
-from ladle.entrypoints.serving_engine import SSE_DONE, ServingContext, _guarded
-from ladle.entrypoints.tokenizer_pool import TokenizerPool
+from ladle.entrypoints.openai.app import ServerState, build_app
+from ladle.entrypoints.openai.serving_engine import SSE_DONE, ServingContext, _guarded
+from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
 
 SECRET = "/home/alice/secret-path: token 0xdeadbeef"
 

@@ -45,7 +45,7 @@ def test_a_key_read_from_a_file_with_its_newline_is_the_key(server):
 
 @pytest.mark.parametrize("key", ["", "  \n", "two words", "caf\u00e9"])
 def test_a_key_no_client_can_send_is_refused_at_startup(key):
-    from ladle.entrypoints.serve_args import _api_key
+    from ladle.entrypoints.openai.serve_args import _api_key
 
     with pytest.raises(ValueError, match="--api-key"):
         _api_key(key)
@@ -76,7 +76,7 @@ def test_head_health_models_root_and_a_clipped_404(server):
 def test_a_taken_port_fails_at_once_in_one_line(server, tiny_qwen3_dir):
     port = server.base_url.rsplit(":", 1)[1]
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "ladle.entrypoints.server", "--model", tiny_qwen3_dir,
+    run = subprocess.run([sys.executable, "-m", "ladle.entrypoints.openai.api_server", "--model", tiny_qwen3_dir,
                           "--port", port], capture_output=True, text=True, timeout=60)
     took = time.monotonic() - started
     lines = run.stderr.strip().splitlines()
@@ -90,7 +90,7 @@ def test_a_truncated_tokenizer_is_named(tiny_qwen3_dir, tmp_path):
     model = shutil.copytree(tiny_qwen3_dir, tmp_path / "model")
     tok = model / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:5000])
-    run = subprocess.run([sys.executable, "-m", "ladle.entrypoints.server", "--model", str(model), "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "ladle.entrypoints.openai.api_server", "--model", str(model), "--port", "0",
                           "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert f"{tok} is not valid JSON" in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -109,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(plan)
     plan.set_defaults(func=cmd_plan)
 
-    from ladle.entrypoints.server import add_serve_parser  # argparse + uvicorn only at import time
+    from ladle.entrypoints.openai.api_server import add_serve_parser  # argparse + uvicorn only at import time
 
     add_serve_parser(sub)
-    from ladle.entrypoints.ray_serve import add_replica_arguments, cmd_serve_replicas
+    from ladle.entrypoints.openai.ray_serve import add_replica_arguments, cmd_serve_replicas
 
     replicas = sub.add_parser("serve-replicas", help="data-parallel `ladle serve` replicas behind one endpoint, on "
                                                      "Ray Serve (the ray extra)")

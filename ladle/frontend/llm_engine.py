@@ -39,10 +39,7 @@ class LLMEngine:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
         """The core requests for one user request (n of them for n > 1), checked so that they can run."""
-        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        reqs = [self.core.make_request(cid, prompt_token_ids, params.for_child(i)) for i, cid in enumerate(ids)]
-        self.core.check_request(reqs[0])
-        return reqs
+        return self.core.make_requests(request_id, [prompt_token_ids], params)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, requests: list[Request] | None = None) -> None:

@@ -1,26 +1,22 @@
-"""Turns core outputs into RequestOutputs: detokenizes, applies stop strings, folds n>1 children together.
-
-Stop strings are text, so they are found here, on the frontend, and the core is told to abort the child.
-"""
+"""Turns core outputs into RequestOutputs: each child's output through ChildState (the server's streams use
+the same), n > 1 children folded into one RequestOutput."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.frontend.detokenizer import IncrementalDetokenizer, decode_logprobs
-from ladle.frontend.stop_strings import StopMatcher
+from ladle.frontend.child_state import ChildState, child_states
+from ladle.frontend.detokenizer import decode_logprobs
 from ladle.outputs import CompletionOutput, RequestOutput
 from ladle.sampling_params import SamplingParams
 
 logger = logging.getLogger("ladle")
 
 
-@dataclass
-class _Child:
-    parent_id: str
-    index: int
-    detok: IncrementalDetokenizer
+@dataclass(kw_only=True)
+class _Child(ChildState):
+    parent_id: str = ""
 
 
 class OutputProcessor:
@@ -34,14 +30,10 @@ class OutputProcessor:
         child_ids: list[str],
     ) -> None:
         out = RequestOutput(request_id, prompt, prompt_token_ids)
-        stop = StopMatcher(params.stop)  # built once, shared by the n children
-        for index, child_id in enumerate(child_ids):
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, stop, params.include_stop_str_in_output,
-                params.skip_special_tokens, min_tokens=params.min_tokens,
-            )
-            self.children[child_id] = _Child(request_id, index, detok)
-            out.outputs.append(CompletionOutput(index, "", [], [] if params.logprobs is not None else None))
+        for child in child_states(_Child, self.tokenizer, child_ids, [prompt_token_ids], params):
+            child.parent_id = request_id
+            self.children[child.child_id] = child
+            out.outputs.append(CompletionOutput(child.index, "", [], [] if params.logprobs is not None else None))
         self.parents[request_id] = out
 
     def has_unfinished(self) -> bool:
@@ -77,20 +69,16 @@ class OutputProcessor:
     def _apply(self, co: EngineCoreOutput, child: _Child, comp: CompletionOutput, parent: RequestOutput,
                to_abort: list[str]) -> None:
         comp.token_ids.extend(co.new_token_ids)
+        if co.prefill_chunks is not None:
+            comp.prefill_chunks = co.prefill_chunks
         if co.num_cached_tokens is not None:  # children share the prompt; a later one may find more cached
             parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
         if comp.logprobs is not None:
             comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
-        # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
-        stop_str = child.detok.update(co.new_token_ids, stop_terminated=co.finish_reason == "stop")
-        if stop_str is not None:
-            if co.finish_reason is None:
-                to_abort.append(co.request_id)
-            comp.finish_reason, comp.stop_reason = "stop", stop_str
-        elif co.finish_reason is not None:
-            comp.finish_reason, comp.stop_reason = co.finish_reason, co.stop_reason
-            if co.error is not None:
-                parent.error = co.error
-        if comp.finish_reason is not None:
-            child.detok.finish()
+        if child.apply(co):
+            to_abort.append(co.request_id)
+        if co.error is not None:
+            parent.error = co.error
+        if child.finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = child.finish_reason, child.stop_reason
             del self.children[co.request_id]

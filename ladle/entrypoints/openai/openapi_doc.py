@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ladle.entrypoints.openai_protocol import ErrorResponse
+from ladle.entrypoints.openai.protocol import ErrorResponse
 
 _ERRORS = {
     400: "invalid request: a malformed body, a value out of range, a prompt too long for the model",

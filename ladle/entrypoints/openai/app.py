@@ -13,15 +13,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
-from ladle.entrypoints.edge import EdgeLimits, EdgeMiddleware, EdgeState
-from ladle.entrypoints.openai_protocol import (
+from ladle.entrypoints.openai.edge import EdgeLimits, EdgeMiddleware, EdgeState
+from ladle.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
     ModelCard, ModelList, OpenAIError, clip, internal_error,
 )
-from ladle.entrypoints.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
-from ladle.entrypoints.serving_chat import OpenAIServingChat
-from ladle.entrypoints.serving_completion import OpenAIServingCompletion
-from ladle.entrypoints.serving_engine import ServingContext
+from ladle.entrypoints.openai.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
+from ladle.entrypoints.openai.serving_chat import OpenAIServingChat
+from ladle.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from ladle.entrypoints.openai.serving_engine import ServingContext
 
 logger = logging.getLogger("ladle.server")
 BUSY_AFTER_S = 1.0  # a step running longer is reported as "busy" (still 200: the engine is working)

@@ -25,9 +25,9 @@ def replica_app(argv: list[str]) -> Any:
     """The ASGI app of one replica, built inside the replica's actor: `ladle serve`'s, over its own engine."""
     import logging
 
-    from ladle.entrypoints.openai_app import build_app
-    from ladle.entrypoints.serve_args import add_serve_arguments, check_serve_flags
-    from ladle.entrypoints.server import server_state
+    from ladle.entrypoints.openai.app import build_app
+    from ladle.entrypoints.openai.serve_args import add_serve_arguments, check_serve_flags
+    from ladle.entrypoints.openai.api_server import server_state
 
     parser = argparse.ArgumentParser(prog="ladle serve-replicas (replica)")
     parser.add_argument("--log-level", type=str.upper, default="WARNING")
@@ -59,7 +59,7 @@ def ladle_application(argv: list[str], num_replicas: int, gpus_per_replica: int,
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
-    from ladle.entrypoints.serve_args import add_serve_arguments
+    from ladle.entrypoints.openai.serve_args import add_serve_arguments
 
     p.add_argument("--num-replicas", type=int, default=2, help="ladle servers behind the endpoint (default 2)")
     p.add_argument("--ray-address", default="local",

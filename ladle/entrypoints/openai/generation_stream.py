@@ -15,12 +15,11 @@ from typing import Any, AsyncIterator
 
 from ladle.serving.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.frontend.detokenizer import IncrementalDetokenizer
-from ladle.frontend.stop_strings import StopMatcher
-from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import OpenAIError, UsageInfo, internal_error
+from ladle.frontend.child_state import ChildState, child_states
+from ladle.entrypoints.openai.metrics import ServerMetrics
+from ladle.entrypoints.openai.protocol import OpenAIError, UsageInfo, internal_error
 from ladle.outputs import Logprob
-from ladle.request import RequestRejected
+from ladle.request import RequestRejected, child_request_ids
 from ladle.sampling_params import SamplingParams
 
 _SLICE = 128  # engine outputs handled between two turns of the event loop
@@ -51,16 +50,10 @@ def compact(logprobs: dict[int, Logprob] | None) -> TokenLogprobs:
     return tuple((tid, lp.logprob, lp.rank) for tid, lp in (logprobs or {}).items())
 
 
-@dataclass
-class ChoiceState:
-    index: int
-    child_id: str
-    prompt_index: int
-    detok: IncrementalDetokenizer
+@dataclass(kw_only=True)
+class ChoiceState(ChildState):
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     last_token_time: float | None = None
 
 
@@ -102,14 +95,9 @@ class GenerationStream:
         self.request_id, self.prompts, self.params = request_id, prompts, params
         self.arrival = time.monotonic()
         self.first_token_seen = False
-        self.choices: list[ChoiceState] = []
-        stop = StopMatcher(params.stop)  # built once, shared by all the choices
-        for p, ids in enumerate(prompts):
-            for i in range(params.n):
-                index = p * params.n + i
-                detok = IncrementalDetokenizer(tokenizer, ids, stop, params.include_stop_str_in_output,
-                                               params.skip_special_tokens, min_tokens=params.min_tokens)
-                self.choices.append(ChoiceState(index, f"{request_id}-{index}", p, detok))
+        # Named as the engine names them.
+        self.choices = child_states(ChoiceState, tokenizer, child_request_ids(request_id, len(prompts) * params.n),
+                                    prompts, params)
         self._by_child = {c.child_id: c for c in self.choices}
         self._handle: RequestHandle | None = None
         self.finished = False
@@ -119,10 +107,8 @@ class GenerationStream:
 
     async def start(self) -> None:
         """Submit to the engine; raises OpenAIError if it will not take the request."""
-        children = [(c.child_id, self.prompts[c.prompt_index], self.params.for_child(c.index % self.params.n))
-                    for c in self.choices]
         try:
-            self._handle = await self.client.add_request(self.request_id, children)
+            self._handle = await self.client.add_request(self.request_id, self.prompts, self.params)
         except RequestRejected as e:
             status = {"queue_full": 429, "internal_error": 500}.get(e.code, 400)
             raise OpenAIError(status, str(e), code=e.code) from None
@@ -198,14 +184,8 @@ class GenerationStream:
         new_logprobs = [compact(lp) for lp in out.new_logprobs] if self.params.logprobs is not None else []
         ch.token_ids.extend(out.new_token_ids)
         ch.logprobs.extend(new_logprobs)
-        stop_str = ch.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
-        if stop_str is not None:
-            if out.finish_reason is None:
-                self.client.abort(self.request_id, [ch.child_id])  # stop strings are found here, not in the core
-            ch.finish_reason, ch.stop_reason = "stop", stop_str
-        elif out.finish_reason is not None:
-            ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
+        if ch.apply(out):
+            self.client.abort(self.request_id, [ch.child_id])  # a stop string ended it
         if ch.finish_reason is not None:
-            ch.detok.finish()
             self.metrics.finished(ch.finish_reason)
         return ChoiceDelta(ch, ch.detok.text_delta(), list(out.new_token_ids), new_logprobs)

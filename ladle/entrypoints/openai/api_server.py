@@ -1,6 +1,6 @@
 """`ladle serve`: the OpenAI-compatible server, a uvicorn server that drains on SIGTERM or SIGHUP.
 
-    python -m ladle.entrypoints.server --model DIR [engine flags] [--host 127.0.0.1] [--port 8000]
+    python -m ladle.entrypoints.openai.api_server --model DIR [engine flags] [--host 127.0.0.1] [--port 8000]
 
 Heavy imports (torch, transformers, FastAPI) happen in cmd_serve, so registering the subcommand costs `ladle`
 next to nothing.
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 import uvicorn
 
 if TYPE_CHECKING:
-    from ladle.entrypoints.openai_app import ServerState
+    from ladle.entrypoints.openai.app import ServerState
 
 logger = logging.getLogger("ladle.server")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `serve` on the `ladle` command's subparsers."""
-    from ladle.entrypoints.serve_args import add_http_arguments, add_serve_arguments
+    from ladle.entrypoints.openai.serve_args import add_http_arguments, add_serve_arguments
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)
@@ -46,7 +46,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     process (and pins itself beside; 0 pins nothing)."""
     from ladle.serving.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli_args import engine_args_from_flags
-    from ladle.entrypoints.metrics import ServerMetrics
+    from ladle.entrypoints.openai.metrics import ServerMetrics
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
@@ -64,11 +64,11 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     client = AsyncEngineClient(engine_args, explicit, supervision, args.log_level, on_snapshot=metrics.on_snapshot)
     client.prestart()  # the engine imports and loads while this process imports the server's libraries
 
-    from ladle.entrypoints.edge import EdgeLimits
-    from ladle.entrypoints.openai_app import ServerState
-    from ladle.entrypoints.serving_chat import chat_template_problem
-    from ladle.entrypoints.serving_engine import ServingContext, ServingLimits
-    from ladle.entrypoints.tokenizer_pool import TokenizerPool
+    from ladle.entrypoints.openai.edge import EdgeLimits
+    from ladle.entrypoints.openai.app import ServerState
+    from ladle.entrypoints.openai.serving_chat import chat_template_problem
+    from ladle.entrypoints.openai.serving_engine import ServingContext, ServingLimits
+    from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
     from ladle.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(engine_args.tokenizer or model)
@@ -82,15 +82,15 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ladle.entrypoints.http_protocol import GuardedConfig, http_guard
-    from ladle.entrypoints.serve_args import check_serve_flags
+    from ladle.entrypoints.openai.http_protocol import GuardedConfig, http_guard
+    from ladle.entrypoints.openai.serve_args import check_serve_flags
 
     check_serve_flags(args)
     guard, connections = http_guard(args)
     # Bound and listening before anything loads (FastAPI alone takes 0.8 s to import): a second server on the
     # same port fails here, at once.
     sock = _listen(args.host, args.port)
-    from ladle.entrypoints.openai_app import build_app
+    from ladle.entrypoints.openai.app import build_app
 
     # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.
     state = server_state(args, 1)
@@ -208,9 +208,9 @@ class DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     from ladle.entrypoints.cli_args import add_log_level, report_error
 
-    parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.server",
+    parser = argparse.ArgumentParser(prog="python -m ladle.entrypoints.openai.api_server",
                                      description="OpenAI-compatible server over the ladle engine")
-    from ladle.entrypoints.serve_args import add_http_arguments, add_serve_arguments
+    from ladle.entrypoints.openai.serve_args import add_http_arguments, add_serve_arguments
 
     add_log_level(parser, "INFO")
     add_serve_arguments(parser)

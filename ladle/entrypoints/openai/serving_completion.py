@@ -6,14 +6,14 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
-from ladle.entrypoints.openai_protocol import (
+from ladle.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
     OpenAIError,
 )
-from ladle.entrypoints.generation_stream import (
+from ladle.entrypoints.openai.generation_stream import (
     ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
 )
-from ladle.entrypoints.serving_engine import (
+from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
 

@@ -11,10 +11,10 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from ladle.serving.async_client import AsyncEngineClient
-from ladle.entrypoints.generation_stream import GenerationStream, TokenTexts
-from ladle.entrypoints.metrics import ServerMetrics
-from ladle.entrypoints.openai_protocol import OpenAIError, SamplingRequest, internal_error
-from ladle.entrypoints.tokenizer_pool import TokenizerPool
+from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenTexts
+from ladle.entrypoints.openai.metrics import ServerMetrics
+from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, internal_error
+from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 

@@ -7,13 +7,13 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from ladle.entrypoints.openai_protocol import (
+from ladle.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
     ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
 )
-from ladle.entrypoints.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
-from ladle.entrypoints.serving_engine import (
+from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
+from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ladle.entrypoints.cli_args import add_engine_flags
-from ladle.entrypoints.http_protocol import RESERVED_FILES
+from ladle.entrypoints.openai.http_protocol import RESERVED_FILES
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ladle.entrypoints.openai_protocol import OpenAIError, clip
+from ladle.entrypoints.openai.protocol import OpenAIError, clip
 
 # Routes that stay open without a key and while draining: probes and scrapers must see the truth.
 OPEN_PATHS = ("/health", "/metrics")
