@@ -36,7 +36,7 @@ def timed_prefill(llm: LLM, ids: list[int], budget: int) -> tuple[float, float]:
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     steps = [s for s in stats.steps if s.step >= first_step]
-    chunks = stats.prefill_chunks[out[0].request_id]
+    chunks = out[0].outputs[0].prefill_chunks
     assert max(s.num_tokens for s in steps) <= budget, "a step exceeded the budget: the override did not apply"
     assert len(chunks) == -(-len(ids) // budget), f"expected {-(-len(ids) // budget)} chunks, got {chunks}"
     return wall, cpu

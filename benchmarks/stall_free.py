@@ -38,6 +38,7 @@ def run_once(engine: LLMEngine, budget: int, args: argparse.Namespace, vocab: in
         engine.add_request(rid, None, [rng.randrange(vocab) for _ in range(args.decode_prompt)], params)
     times: dict[str, list[float]] = {rid: [] for rid in ids}
     stats = engine.core.stats
+    chunks_of: dict[str, list[int]] = {}  # each finished request's prefill chunks
 
     def step() -> list[Any]:
         outs = engine.step()
@@ -45,6 +46,8 @@ def run_once(engine: LLMEngine, budget: int, args: argparse.Namespace, vocab: in
         for o in outs:
             if o.request_id in times:
                 times[o.request_id].append(now)
+            if o.finished:
+                chunks_of[o.request_id] = o.outputs[0].prefill_chunks
         return outs
 
     for _ in range(args.warm_steps):
@@ -68,7 +71,7 @@ def run_once(engine: LLMEngine, budget: int, args: argparse.Namespace, vocab: in
         engine.step()
     itls = [b - a for rid in ids for a, b in zip(times[rid], times[rid][1:]) if b > arrival]
     step_ms = [s.ms for s in steps if s.num_decodes]
-    chunks = stats.prefill_chunks.get(long_id, [])
+    chunks = chunks_of.get(long_id, [])
     med_step = statistics.median(step_ms)
     return {"budget": budget, "max_step_tokens": max(s.num_tokens for s in steps), "long_chunks": len(chunks),
             "ttft_long_s": (first_token or arrival) - arrival, "max_itl_ms": max(itls) * 1000,

@@ -186,11 +186,11 @@ def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(t
     chunked = LLM(str(tmp_path), max_prefill_length=8192)
     assert chunked.config.settings["max_prefill_length"].source == "explicit"
     got = [chunked.generate(p, params, use_tqdm=False)[0] for p in prompts]  # one at a time, as in the report
-    assert chunked.stats.prefill_chunks[got[0].request_id] == [8192, 8192, 6541]
-    assert chunked.stats.prefill_chunks[got[1].request_id] == [8192] * 4 + [2174]
+    assert got[0].outputs[0].prefill_chunks == [8192, 8192, 6541]
+    assert got[1].outputs[0].prefill_chunks == [8192] * 4 + [2174]
     single = LLM(str(tmp_path), max_num_batched_tokens=34944, max_prefill_length=34944)
     want = [single.generate(p, params, use_tqdm=False)[0] for p in prompts]
-    assert single.stats.prefill_chunks[want[1].request_id] == [34942]
+    assert want[1].outputs[0].prefill_chunks == [34942]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -215,7 +215,7 @@ def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_p
     outs: list = []
     prompt = {"prompt_token_ids": prompts_of([2536], 5)[0]}
     peak = measure_peak(lambda: outs.extend(llm.generate(prompt, GREEDY, use_tqdm=False)), torch.device("cpu"))
-    assert llm.stats.prefill_chunks[outs[0].request_id] == [step, 2536 - step]
+    assert outs[0].outputs[0].prefill_chunks == [step, 2536 - step]
     assert inp.weights + kv + peak < budget
     with pytest.raises(ValueError, match=r"max_prefill_length=2536 does not fit.*the largest max_prefill_length "
                                          r"that fits is 1\d\d\d"):

@@ -47,9 +47,8 @@ def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
     limit = min(budget, chunk or budget)
     assert llm.stats.max_step_tokens <= budget
     assert all(s.num_tokens <= budget for s in llm.stats.steps)
-    chunks = llm.stats.prefill_chunks
-    assert all(c <= limit for o in outs for c in chunks[o.request_id])
-    assert [sum(chunks[o.request_id]) for o in outs] == PROMPT_LENS  # no preemption here: each prompt once
+    assert all(c <= limit for o in outs for c in o.outputs[0].prefill_chunks)
+    assert [sum(o.outputs[0].prefill_chunks) for o in outs] == PROMPT_LENS  # no preemption here: each prompt once
 
 
 def test_single_prompts_equal_hf(case):

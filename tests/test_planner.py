@@ -42,12 +42,11 @@ def test_seed_b_explicit_chunk_is_honoured_and_output_unchanged(long_dir):
     assert chunked.config.settings["max_prefill_length"].source == "explicit"
     # One at a time, as in the report: together they would share each step's budget.
     got = [chunked.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
-    chunks = chunked.stats.prefill_chunks
-    assert chunks[got[0].request_id] == [8192, 8192, 6541]
-    assert chunks[got[1].request_id] == [8192] * 4 + [2174]
+    assert got[0].outputs[0].prefill_chunks == [8192, 8192, 6541]
+    assert got[1].outputs[0].prefill_chunks == [8192] * 4 + [2174]
     single = LLM(long_dir, max_num_batched_tokens=34944, max_prefill_length=34944)
     want = [single.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
-    assert single.stats.prefill_chunks[want[1].request_id] == [34942]  # one pass
+    assert want[1].outputs[0].prefill_chunks == [34942]  # one pass
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -75,7 +74,7 @@ def test_small_budget_derives_a_chunk_that_fits_and_refuses_one_that_does_not(ti
     outs = []
     peak = measure_peak(lambda: outs.extend(llm.generate(tokens(prompt_len), GREEDY, use_tqdm=False)),
                         torch.device("cpu"))
-    assert llm.stats.prefill_chunks[outs[0].request_id] == [step, prompt_len - step]  # the prompt was split
+    assert outs[0].outputs[0].prefill_chunks == [step, prompt_len - step]  # the prompt was split
     assert len(outs[0].outputs[0].token_ids) == 4
     assert inp.weights + kv_bytes + peak < budget
     # The same prompt in one explicit chunk cannot fit: refused at startup, naming the flag and the largest.
@@ -123,8 +122,10 @@ def test_activation_peak_is_flat_in_context(long_dir):
     peaks = {}
     for n in (2048, 16384):
         llm = LLM(long_dir, max_num_batched_tokens=512)
-        peaks[n] = measure_peak(lambda: llm.generate(tokens(n), GREEDY, use_tqdm=False), torch.device("cpu"))
-        assert max(llm.stats.prefill_chunks["0"]) == 512
+        outs: list = []
+        peaks[n] = measure_peak(lambda: outs.extend(llm.generate(tokens(n), GREEDY, use_tqdm=False)),
+                                torch.device("cpu"))
+        assert max(outs[0].outputs[0].prefill_chunks) == 512
     assert peaks[16384] <= 1.15 * peaks[2048], peaks
 
 

@@ -18,6 +18,7 @@ from ladle.kv_cache.manager import KVCacheManager
 from ladle.frontend.llm_engine import LLMEngine
 from ladle.engine.scheduler import Scheduler
 from ladle.request import Request
+from test_scheduler import advance
 
 
 def rand_ids(n: int, seed: int) -> list[int]:
@@ -123,11 +124,11 @@ def test_seed_b_long_prefix_is_computed_once(long_ctx_dir):
     got = on.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     hit = 7900 // 16 * 16
     assert on.stats.prefix_cache_hits == hit and on.stats.prefix_cache_queries == 7900 + 16000
-    assert sum(on.stats.prefill_chunks[got[0].request_id]) == 16000 - hit  # only the uncached tokens
+    assert sum(got[0].outputs[0].prefill_chunks) == 16000 - hit  # only the uncached tokens
     assert got[0].num_cached_tokens == hit  # vLLM's RequestOutput field says so too
     off = LLM(long_ctx_dir, enable_prefix_caching=False, **kwargs)
     want = off.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    assert sum(off.stats.prefill_chunks[want[0].request_id]) == 16000 and off.stats.prefix_cache_queries == 0
+    assert sum(want[0].outputs[0].prefill_chunks) == 16000 and off.stats.prefix_cache_queries == 0
     assert want[0].num_cached_tokens == 0
     assert token_ids(got) == token_ids(want)
     assert_no_leak(on)
@@ -250,10 +251,7 @@ def test_scheduler_defers_a_request_whose_prefix_is_being_written():
         sched.add(r)
     out = sched.schedule()  # second would recompute first's blocks: it waits, and x behind it goes ahead
     assert [s.request.request_id for s in out.scheduled] == ["first", "x"] and list(sched.waiting) == [second]
-    for s in out.scheduled:  # what the core does after the step ran
-        s.request.num_computed_tokens += s.num_new_tokens
-        kv.cache_full_blocks(s.request, s.request.num_computed_tokens)
-        s.request.append_output(7, None)
+    advance(sched, out)  # what the core does after the step ran
     out = sched.schedule()
     admitted = [s for s in out.scheduled if s.request is second]
     assert admitted[0].start_pos == 16 and admitted[0].num_new_tokens == 2 and out.prefix_cache_hits == 16
@@ -265,10 +263,7 @@ def test_preempted_request_hits_its_own_blocks_on_readmission():
     kv = sched.kv
     r = request("r", range(1, 19))
     sched.add(r)
-    (s,) = sched.schedule().scheduled
-    r.num_computed_tokens += s.num_new_tokens
-    kv.cache_full_blocks(r, r.num_computed_tokens)
-    r.append_output(7, None)
+    advance(sched, sched.schedule())
     sched._preempt(r)  # frees its blocks, which keep their hashes
     assert r.num_computed_tokens == 0 and kv.num_free_blocks == 32 and kv.pool.num_cached == 4
     (s,) = sched.schedule().scheduled

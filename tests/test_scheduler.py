@@ -5,7 +5,8 @@ import torch
 from ladle.config import EngineConfig
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.engine.scheduler import Scheduler
-from ladle.request import Request, RequestRejected, RequestStatus
+from ladle.request import Request, RequestRejected
+from ladle.runner.model_runner import SampledToken
 from ladle.sampling_params import SamplingParams
 
 
@@ -36,14 +37,14 @@ def run(sched, on_step=None):
     return steps
 
 
+def sample_sevens(out):
+    """A step's sampled tokens, as if the model always answered 7."""
+    return {s.request.request_id: SampledToken(7, None) for s in out.scheduled if s.samples}
+
+
 def advance(sched, out):
-    """What the core does after a step: count the computed tokens, append token 7 where one is sampled."""
-    for s in out.scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            s.request.append_output(7, None)
-            if s.request.num_output_tokens >= s.request.max_tokens:
-                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+    """What the core does after a step, by the scheduler's own code: every row that samples gets token 7."""
+    return sched.update_from_output(out, sample_sevens(out))
 
 
 def test_budget_and_chunk_cap_hold_every_step():
@@ -65,10 +66,7 @@ def test_decodes_come_before_partial_prefills_and_new_requests():
     sched = make_scheduler(budget=8)
     a, b = make_request("a", 2, max_tokens=50), make_request("b", 40)
     sched.add(a)
-    run_one = sched.schedule()  # a prefills whole
-    for s in run_one.scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-        s.request.append_output(7, None)
+    advance(sched, sched.schedule())  # a prefills whole
     sched.add(b)
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]

@@ -23,7 +23,7 @@ def test_seed_a_offline_batch_is_chunked_and_correct(tiny_qwen3_dir, hf_qwen3):
     assert stats.max_step_tokens <= BUDGET
     assert all(s.num_tokens <= BUDGET for s in stats.steps)
     for o in outs:
-        chunks = stats.prefill_chunks[o.request_id]
+        chunks = o.outputs[0].prefill_chunks
         assert len(chunks) >= 4 and sum(chunks) == PROMPT_TOKENS and max(chunks) <= BUDGET
         assert len(o.outputs[0].token_ids) == NEW_TOKENS
     for i in (0, NUM_PROMPTS - 1):

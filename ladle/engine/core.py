@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from ladle.config import EngineArgs, EngineConfig
-from ladle.engine.core_output import EngineCoreOutput
+from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
 from ladle.startup.cpu_lending import CpuLender
 from ladle.executor.executor import Executor
 from ladle.executor.factory import create_executor
@@ -21,10 +21,9 @@ from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
 from ladle.kv_cache.manager import KVCacheManager
-from ladle.request import Request, RequestStatus
+from ladle.request import Request, RequestStatus, child_request_ids
 from ladle.sampling_params import SamplingParams
 from ladle.runner.model_runner import PendingStep, SampledToken
-from ladle.runner.sampler import FAILED
 
 logger = logging.getLogger("ladle")
 
@@ -61,9 +60,9 @@ class EngineCore:
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  windows=layout.windows, num_state_slots=slots, compressions=layout.compressions)
-        self.scheduler = Scheduler(cfg, self.kv)
-        self.model_executor.capture_graphs()
         self.stats = EngineStats()
+        self.scheduler = Scheduler(cfg, self.kv, self.stats)
+        self.model_executor.capture_graphs()
         self.lender = (None if cfg.cpu_lending is None else
                        CpuLender(cfg.cpu_lending, torch.set_num_threads))  # reserved CPUs, borrowed while idle
         self.step_executor = StepExecutor(self.model_executor, cfg.block_size, cfg.device, self.stats)
@@ -104,6 +103,17 @@ class EngineCore:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         return Request(request_id, list(prompt_token_ids), params, max_tokens, stop_ids)
 
+    def make_requests(self, parent_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """The one request factory: a user request's children (n per prompt, ids by child_request_ids), each
+        checked so it can run. Raises ValueError (RequestRejected) naming what to change."""
+        n = params.n
+        ids = child_request_ids(parent_id, len(prompts) * n)
+        reqs = [self.make_request(ids[p * n + i], prompt, params.for_child(i))
+                for p, prompt in enumerate(prompts) for i in range(n)]
+        for req in reqs[::n]:  # siblings share what the check reads: prompt, max_tokens, priority
+            self.check_request(req)
+        return reqs
+
     def check_request(self, request: Request) -> None:
         self.scheduler.check(request)
 
@@ -118,12 +128,24 @@ class EngineCore:
             req = self.scheduler.find(rid)
             if req is not None:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
-                outs.append(EngineCoreOutput(rid, finish_reason="abort"))
+                outs.append(EngineCoreOutput(rid, finish_reason="abort", prefill_chunks=req.prefill_chunks))
         return outs
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, so the next prompts compute everything; False while requests run."""
         return not self.has_unfinished_requests() and self.kv.pool.reset_prefix_cache()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges and counters a server reports, as of now."""
+        stats, kv = self.stats, self.kv
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks,
+            num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
+            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._ahead is not None
@@ -185,15 +207,18 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        self.sync.forget(req.request_id)
-        self.step_executor.forget(req.request_id)
+        self._forget(req.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: what was kept beside the scheduler about it goes too."""
+        self.sync.forget(request_id)
+        self.step_executor.forget(request_id)
 
     def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:
         req = self.scheduler.find(failure.request_id)
-        if req is not None:
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-        self.stats.requests_failed += 1
-        return EngineCoreOutput(failure.request_id, finish_reason="error", error=failure.message)
+        assert req is not None, f"a step failed for {failure.request_id}, which the scheduler does not hold"
+        self._forget(req.request_id)
+        return self.scheduler.fail(req, failure.message)
 
     def _end_step(self, sched: SchedulerOutput, outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """The tail of every step: count steps that failed for every request in them (raising when that
@@ -218,47 +243,8 @@ class EngineCore:
         self.stats.num_preemptions += len(sched.preempted_ids)
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
-        outs = []
-        self.stats.prefix_cache_queries += sched.prefix_cache_queries
-        self.stats.prefix_cache_hits += sched.prefix_cache_hits
-        for s in sched.scheduled:
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                # Finished or aborted while this step, launched ahead, was running: its token is void.
-                self.stats.tokens_dropped += 1
-                continue
-            if s.is_prefill:
-                self.stats.prefill_chunks.setdefault(req.request_id, []).append(s.num_new_tokens)
-                self.stats.prompt_tokens += s.num_new_tokens
-            req.num_computed_tokens += s.num_new_tokens
-            # Only now is this step's KV written, so only now may its full blocks be served to others.
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            if tok.token_id == FAILED:
-                outs.append(self._end_with_error(RequestFailure(req.request_id, (
-                    f"request {req.request_id} could not be sampled: its next-token distribution is not finite "
-                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving"))))
-                continue
-            self.stats.generation_tokens += 1
-            req.append_output(tok.token_id, tok.logprobs)
-            out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs],
-                                   num_cached_tokens=req.num_cached_tokens if req.num_output_tokens == 1 else None)
-            status = self._stop_status(req)
-            if status is not None:
-                self._finish(req, status)
-                out.finish_reason = status.value
-                out.stop_reason = req.stop_reason
-            outs.append(out)
+        outs = self.scheduler.update_from_output(sched, sampled)
+        for out in outs:
+            if out.finish_reason is not None:
+                self._forget(out.request_id)
         return outs
-
-    def _stop_status(self, req: Request) -> RequestStatus | None:
-        last = req.output_token_ids[-1]
-        if req.num_output_tokens >= req.sampling_params.min_tokens and last in req.stop_token_ids:
-            if last in req.sampling_params.stop_token_ids:
-                req.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

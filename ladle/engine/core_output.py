@@ -1,5 +1,5 @@
-"""What the engine core hands its frontends for each request after a step: plain data (no torch), so the
-server's API process can receive it without importing the engine."""
+"""What the engine core hands its frontends: each request's news after a step, and the core's gauges. Plain
+data (no torch), so the server's API process can receive them without importing the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,3 +16,26 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     error: str | None = None
     num_cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache served
+    prefill_chunks: list[int] | None = None  # on a request's last output: its prefill chunks' sizes, in order
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The core's gauges and cumulative counters, as of one point in the engine loop."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_in_use: int = 0
+    num_kv_blocks: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefill_chunks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    steps_with_lent_cpus: int = 0
+    step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0

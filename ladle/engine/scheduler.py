@@ -19,12 +19,18 @@ import logging
 from dataclasses import dataclass, replace
 
 from ladle.config import EngineConfig
+from ladle.engine.admission import check_admissible
+from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.fair_shares import fair_shares
+from ladle.engine.stats import EngineStats
+from ladle.engine.stop_check import check_stop
 from ladle.startup.partial_prefill import default_limits
 from ladle.engine.request_queue import RequestQueue
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager
-from ladle.request import Request, RequestRejected, RequestStatus
+from ladle.request import Request, RequestStatus
+from ladle.runner.model_runner import SampledToken
+from ladle.runner.sampler import FAILED
 
 logger = logging.getLogger("ladle.scheduler")
 MAX_PASS_OVER = 32  # admissions that may jump ahead of a waiting request the KV pool cannot take yet
@@ -40,9 +46,10 @@ class _Candidate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, stats: EngineStats | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.stats = stats if stats is not None else EngineStats()
         self.limits = config.partial_prefills or default_limits(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -50,27 +57,7 @@ class Scheduler:
         self.max_pass_over = MAX_PASS_OVER
 
     def check(self, request: Request) -> None:
-        """Reject now what could never run, so it never waits at the head of the queue."""
-        cfg = self.config
-        if request.priority != 0 and self.waiting.policy != "priority":
-            raise RequestRejected(f"priority={request.priority} needs priority scheduling; this engine runs "
-                                  f"scheduling_policy={self.waiting.policy!r}: drop priority or start the engine "
-                                  "with scheduling_policy='priority'")
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > cfg.max_model_len:
-            raise RequestRejected(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total} "
-                f"exceeds max_model_len={cfg.max_model_len}; shorten the prompt or lower max_tokens",
-                code="context_length_exceeded",
-            )
-        need = self.kv.peak_blocks(total, min(cfg.max_prefill_length, cfg.max_num_batched_tokens))
-        if need > self.kv.num_blocks:
-            raise RequestRejected(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) needs {need} "
-                f"KV blocks of {cfg.block_size} tokens, but the whole pool has {self.kv.num_blocks} "
-                f"({self.kv.num_blocks * cfg.block_size} tokens); raise num_kv_blocks or lower max_tokens",
-                code="kv_cache_too_small",
-            )
+        check_admissible(request, self.config, self.kv, self.waiting.policy)
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -114,7 +101,7 @@ class Scheduler:
                 continue
             for r in blocked:
                 r.num_passed_over += 1
-            chunks.append(ScheduledRequest(c.request, c.num_cached, n, True))
+            chunks.append(ScheduledRequest(c.request, c.request.num_computed_tokens, n, True))
             scheduled.add(c.request.request_id)
         out.scheduled += self._top_up(chunks, budget - sum(s.num_new_tokens for s in chunks))
         for s in out.scheduled:
@@ -147,9 +134,14 @@ class Scheduler:
     def _admit(self, c: _Candidate, n: int, out: SchedulerOutput) -> bool:
         """Start c with an n-token first chunk if the pool can take its whole (re)prefill, so an admitted prompt
         never stalls between chunks. Cached blocks cost only what taking them out of the free queue costs."""
-        req, num_cached = c.request, c.num_cached
+        req = c.request
+        # The hit was looked up before this step's other requests took blocks, which may have evicted some of
+        # it: look again, so a block handed out since is never taken as cached (the hit can only shrink).
+        computed_blocks, num_cached = c.computed_blocks, c.num_cached
+        if num_cached:
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
         chunk = min(self.config.max_prefill_length, self.config.max_num_batched_tokens)
-        if not self.kv.admit(req.request_id, req.num_tokens, num_cached + n, chunk, c.computed_blocks, num_cached):
+        if not self.kv.admit(req.request_id, req.num_tokens, num_cached + n, chunk, computed_blocks, num_cached):
             return False
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
@@ -199,6 +191,53 @@ class Scheduler:
             allocated = self.kv.allocate(s.request.request_id, s.start_pos + 2)
             assert allocated, "free blocks were counted above"
         return SchedulerOutput([ScheduledRequest(s.request, s.start_pos + 1, 1, False) for s in sched.scheduled])
+
+    def update_from_output(self, sched: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
+        """After sched ran: each request advances by its chunk and registers the blocks it filled, takes its
+        sampled token, and finishes on a stop token or at its length (freed here; its output says so)."""
+        stats = self.stats
+        stats.prefix_cache_queries += sched.prefix_cache_queries
+        stats.prefix_cache_hits += sched.prefix_cache_hits
+        outs = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                # Finished or aborted while this step, launched ahead, was running: its token is void.
+                stats.tokens_dropped += 1
+                continue
+            if s.is_prefill:
+                req.prefill_chunks.append(s.num_new_tokens)
+                stats.prompt_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens
+            # Only now is this step's KV written, so only now may its full blocks be served to others.
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            if tok.token_id == FAILED:
+                outs.append(self.fail(req, (
+                    f"request {req.request_id} could not be sampled: its next-token distribution is not finite "
+                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving")))
+                continue
+            stats.generation_tokens += 1
+            req.append_output(tok.token_id, tok.logprobs)
+            out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs],
+                                   num_cached_tokens=req.num_cached_tokens if req.num_output_tokens == 1 else None)
+            status = check_stop(req, self.config.max_model_len)
+            if status is not None:
+                self.finish(req, status)
+                out.finish_reason, out.stop_reason = status.value, req.stop_reason
+                out.prefill_chunks = req.prefill_chunks
+            outs.append(out)
+        return outs
+
+    def fail(self, req: Request, message: str) -> EngineCoreOutput:
+        """End req with an error, so the engine can keep serving the others."""
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        self.stats.requests_failed += 1
+        return EngineCoreOutput(req.request_id, finish_reason="error", error=message,
+                                prefill_chunks=req.prefill_chunks)
 
     def _prefix_in_flight(self, req: Request, num_cached: int, starting: list[Request]) -> bool:
         """True when a running or starting request has yet to write the next block of req's prefix that req
@@ -255,14 +294,11 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def _log_chunk(self, s: ScheduledRequest) -> None:
-        req = s.request
-        remaining = req.num_tokens - s.start_pos
-        logger.debug(
-            "prefill chunk request=%s chunk_size=%d remain=%d cached=%d budget=%d chunked=%s",
-            req.request_id, s.num_new_tokens, remaining, s.start_pos,
-            min(self.config.max_prefill_length, self.config.max_num_batched_tokens),
-            s.num_new_tokens < remaining,
-        )
+        remaining = s.request.num_tokens - s.start_pos
+        logger.debug("prefill chunk request=%s chunk_size=%d remain=%d cached=%d budget=%d chunked=%s",
+                     s.request.request_id, s.num_new_tokens, remaining, s.start_pos,
+                     min(self.config.max_prefill_length, self.config.max_num_batched_tokens),
+                     s.num_new_tokens < remaining)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

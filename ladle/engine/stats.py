@@ -34,7 +34,6 @@ class EngineStats:
     steps_ahead: int = 0  # async scheduling: decode steps launched before their predecessor's tokens were read
     tokens_dropped: int = 0  # of their tokens, those for requests that stopped or were aborted meanwhile
     steps_with_lent_cpus: int = 0  # steps that ran with the API process's idle CPUs lent (cpu_lending.py)
-    prefill_chunks: dict[str, list[int]] = field(default_factory=dict)  # request id -> chunk sizes, in order
     # In tokens, as vLLM counts them: queries are all tokens of each admitted request (again after a
     # preemption), hits those served by the prefix cache. Zero when prefix caching is off.
     prefix_cache_queries: int = 0

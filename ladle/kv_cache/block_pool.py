@@ -15,9 +15,18 @@ from dataclasses import dataclass
 ROOT_CACHE_ID = -1  # parent of a request's first block
 
 
-def hash_block_tokens(parent_cache_id: int, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
+def hash_block_tokens(parent_cache_id: int, tokens_hash: int, extra_keys: tuple) -> int:
     """Hash of a block's identity. A module function, so tests can make it collide on purpose."""
-    return hash((parent_cache_id, token_ids, extra_keys))
+    return hash((parent_cache_id, tokens_hash, extra_keys))
+
+
+@dataclass(frozen=True)
+class BlockTokens:
+    """A full block's token ids and their hash, made once per request and block (Request.block_tokens), so
+    the lookups each step repeats for a waiting prompt hash only the parent's id."""
+
+    token_ids: tuple[int, ...]
+    tokens_hash: int
 
 
 @dataclass(frozen=True, eq=True)
@@ -26,11 +35,11 @@ class BlockHash:
     rather than by its hash, so equality of two BlockHashes means equality of the whole prefix."""
 
     parent_cache_id: int
-    token_ids: tuple[int, ...]
+    tokens: BlockTokens
     extra_keys: tuple = ()  # anything else that changes KV (an adapter id, one day)
 
     def __hash__(self) -> int:
-        return hash_block_tokens(self.parent_cache_id, self.token_ids, self.extra_keys)
+        return hash_block_tokens(self.parent_cache_id, self.tokens.tokens_hash, self.extra_keys)
 
 
 class BlockPool:

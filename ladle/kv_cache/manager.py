@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from ladle.kv_cache.block_pool import ROOT_CACHE_ID, BlockHash, BlockPool
+from ladle.kv_cache.block_pool import ROOT_CACHE_ID, BlockHash, BlockPool, BlockTokens
 from ladle.kv_cache.specs import blocks_held
 
 if TYPE_CHECKING:
@@ -92,11 +92,18 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> GroupBlocks:
         return tuple(g.tables.get(request_id, []) for g in self.groups)
 
-    def _block_hash(self, parent_cache_id: int, token_ids: list[int], index: int, group: int) -> BlockHash:
+    def _block_tokens(self, request: Request, num_blocks: int) -> list[BlockTokens]:
+        """The request's first num_blocks full blocks' tokens, each made once: tokens are only ever appended."""
+        made, size, ids = request.block_tokens, self.block_size, request.all_token_ids
+        for i in range(len(made), num_blocks):
+            block = tuple(ids[i * size : (i + 1) * size])
+            made.append(BlockTokens(block, hash(block)))
+        return made
+
+    @staticmethod
+    def _block_hash(parent_cache_id: int, tokens: BlockTokens, group: int) -> BlockHash:
         """Groups hold different layers' KV for the same tokens, so the group is part of a block's identity."""
-        start = index * self.block_size
-        return BlockHash(parent_cache_id, tuple(token_ids[start : start + self.block_size]),
-                         () if group == 0 else (group,))
+        return BlockHash(parent_cache_id, tokens, () if group == 0 else (group,))
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Each group's leading cached blocks of the request and the tokens they hold. The hit stops before
@@ -106,11 +113,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return empty, 0
         hits: list[list[int]] = []
+        keys = self._block_tokens(request, (request.num_tokens - 1) // self.block_size)
         for gi in range(len(self.groups)):
             blocks: list[int] = []
             parent = ROOT_CACHE_ID
-            for i in range((request.num_tokens - 1) // self.block_size):
-                block_id = self.pool.get_cached_block(self._block_hash(parent, request.all_token_ids, i, gi))
+            for tokens in keys:
+                block_id = self.pool.get_cached_block(self._block_hash(parent, tokens, gi))
                 if block_id is None:
                     break
                 blocks.append(block_id)
@@ -177,15 +185,19 @@ class KVCacheManager:
               room: int) -> bool:
         if self._need(request_id, ends, computed_blocks, num_computed) + room > self.pool.num_free:
             return False
+        # Every group's hit leaves the free queue before any group allocates: otherwise one group's new blocks
+        # could be another group's hit blocks, evicted and handed out while that group takes them as cached.
         for gi, g in enumerate(self.groups):
-            table = g.tables.setdefault(request_id, [])
             hit = computed_blocks[gi] if computed_blocks else []
             if hit:
+                table = g.tables.setdefault(request_id, [])
                 assert not table, "a prefix hit only starts an empty table"
                 self.pool.touch(list(hit))
                 table.extend(hit)
                 g.num_cached_block[request_id] = len(hit)
                 g.last_cache_id[request_id] = self.pool.cache_ids[hit[-1]]
+        for gi, g in enumerate(self.groups):
+            table = g.tables.setdefault(request_id, [])
             first = g.first_needed(num_computed, self.block_size)
             for i in range(min(first, len(table))):
                 if table[i] != NULL_BLOCK:
@@ -204,6 +216,7 @@ class KVCacheManager:
             return
         rid = request.request_id
         end = num_computed_tokens // self.block_size
+        keys = self._block_tokens(request, end)
         for gi, g in enumerate(self.groups):
             table = g.tables.get(rid)
             start = g.num_cached_block.get(rid, 0)
@@ -213,7 +226,7 @@ class KVCacheManager:
             for i in range(start, end):
                 if table[i] == NULL_BLOCK:
                     break  # never held (a window passed it over): the chain cannot go on
-                parent = self.pool.cache_block(table[i], self._block_hash(parent, request.all_token_ids, i, gi))
+                parent = self.pool.cache_block(table[i], self._block_hash(parent, keys[i], gi))
                 g.num_cached_block[rid] = i + 1
             g.last_cache_id[rid] = parent
 
