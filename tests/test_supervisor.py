@@ -7,7 +7,8 @@ import asyncio
 import multiprocessing
 from typing import Any
 
-from ladle.serving.engine_process import EngineInfo, EngineSnapshot
+from ladle.engine.core_output import EngineSnapshot
+from ladle.serving.messages import EngineInfo, Ready
 from ladle.serving.supervisor import EngineState, EngineSupervisor, SupervisorConfig
 
 
@@ -38,7 +39,7 @@ class FakeEngines:
             raise failure
         parent, child = multiprocessing.Pipe(duplex=True)
         proc = FakeProcess(1000 + len(self.live))
-        child.send(("ready", EngineInfo(proc.pid, 64, 8, 16, 512, "")))
+        child.send(Ready(EngineInfo(proc.pid, 64, 8, 16, 512, "")))
         self.live.append((proc, child))
         return proc, parent
 

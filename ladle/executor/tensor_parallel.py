@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -33,6 +34,29 @@ from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.startup.setup import build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a new rank is told first: how to load and plan, and where to meet the others."""
+    args: EngineArgs
+    explicit: frozenset[str]
+    rank: int
+    world_size: int
+    store_port: int
+    log_level: str
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One step for the other ranks: the StateUpdates since the last one, then the step's chunks."""
+    updates: list[StateUpdate]
+    specs: list[ChunkSpec]
+
+
+@dataclass(frozen=True)
+class StopRank:
+    pass
 
 
 class TensorParallelError(FatalStepError):
@@ -56,7 +80,7 @@ class WorkerGroup:
                                      str(os.getpid())], pass_fds=[theirs.fileno()])
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send((args, explicit, rank, world_size, self.store.port, log_level))
+            conn.send(RankSetup(args, explicit, rank, world_size, self.store.port, log_level))
             self.conns.append(conn)
             self.procs.append(proc)
             threading.Thread(target=self._watch, args=(rank, proc), name=f"ladle-tp-watch-{rank}",
@@ -71,7 +95,7 @@ class WorkerGroup:
         if self.on_death is not None:
             self.on_death(self.failure)
 
-    def send(self, message: tuple) -> int:
+    def send(self, message: RunStep | StopRank) -> int:
         """Pickle message once and write it to every rank; returns its size in bytes."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
@@ -87,7 +111,7 @@ class WorkerGroup:
         """Tell every rank to stop, wait for it, and kill any that does not."""
         self.closing = True
         try:
-            self.send(("shutdown",))
+            self.send(StopRank())
         except TensorParallelError:
             pass
         for proc in self.procs:
@@ -118,7 +142,7 @@ class DriverRunner(ModelRunner):
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
         start = time.perf_counter()
-        self.broadcast_bytes += self.workers.send(("execute", self.updates, specs))
+        self.broadcast_bytes += self.workers.send(RunStep(self.updates, specs))
         self.broadcast_s += time.perf_counter() - start
         self.broadcasts += 1
         self.updates = []

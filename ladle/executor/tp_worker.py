@@ -20,6 +20,7 @@ from ladle.startup.allocator import tune_malloc
 from ladle.config import resolve_device
 from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
 from ladle.startup.setup import build_runner, load_and_plan
+from ladle.executor.tensor_parallel import RankSetup, StopRank
 from ladle.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ladle")
@@ -41,12 +42,11 @@ def serve_steps(conn: Connection, runner: ModelRunner) -> None:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:
             return
-        if message[0] == "shutdown":
+        if isinstance(message, StopRank):
             return
-        _, updates, specs = message
-        for update in updates:
+        for update in message.updates:
             runner.apply(update)
-        runner.forward_shard(specs)
+        runner.forward_shard(message.specs)
 
 
 def main(fd: int, parent_pid: int) -> None:
@@ -54,12 +54,13 @@ def main(fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     conn = Connection(fd)
-    args, explicit, rank, world_size, store_port, log_level = conn.recv()
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
+    setup: RankSetup = conn.recv()
+    rank = setup.rank
+    logging.basicConfig(level=setup.log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:
         tune_malloc()
-        tp = init_tensor_parallel(rank, world_size, store_port, resolve_device(args.device).type)
-        loaded = load_and_plan(args, explicit, tp)
+        tp = init_tensor_parallel(rank, setup.world_size, setup.store_port, resolve_device(setup.args.device).type)
+        loaded = load_and_plan(setup.args, setup.explicit, tp)
         runner = build_runner(loaded.model, loaded.config)
         serve_steps(conn, runner)
         close_tensor_parallel()

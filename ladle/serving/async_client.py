@@ -11,9 +11,13 @@ from typing import Callable
 
 from ladle.config import EngineArgs
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.serving.engine_process import ChildSpec, EngineInfo, EngineSnapshot
+from ladle.engine.core_output import EngineSnapshot
+from ladle.serving.messages import (
+    AbortRequests, Added, AddRequest, EngineInfo, FromEngine, Outputs, Ping, Pong, Ready, Rejected,
+)
 from ladle.serving.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
-from ladle.request import RequestRejected
+from ladle.request import RequestRejected, child_request_ids
+from ladle.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngineClient", "EngineDeadError", "EngineState", "EngineUnavailableError", "RequestHandle",
            "SupervisorConfig"]
@@ -111,18 +115,19 @@ class AsyncEngineClient:
             raise self.unavailable_error()
         return proc
 
-    async def add_request(self, request_id: str, children: list[ChildSpec]) -> RequestHandle:
-        """Submit one API request's engine requests (all or none); returns once the engine accepted them.
-        Raises RequestRejected (bad request, queue full), EngineUnavailableError or EngineDeadError."""
+    async def add_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestHandle:
+        """Submit one API request: n engine requests per prompt (all or none; ids by child_request_ids);
+        returns once the engine accepted them. Raises RequestRejected (bad request, queue full),
+        EngineUnavailableError or EngineDeadError."""
         proc = self._ready_engine()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        handle = RequestHandle(request_id, [c[0] for c in children], proc.number)
+        handle = RequestHandle(request_id, child_request_ids(request_id, len(prompts) * params.n), proc.number)
         handle.unfinished = set(handle.child_ids)
         self._requests[request_id] = handle
         for cid in handle.child_ids:
             self._child_to_parent[cid] = request_id
-        proc.send(("add", request_id, children))
+        proc.send(AddRequest(request_id, prompts, params))
         try:
             await handle.accepted
         except asyncio.CancelledError:
@@ -146,7 +151,7 @@ class AsyncEngineClient:
             self._unregister(request_id)
         proc = self.supervisor.current
         if targets and proc is not None and proc.number == handle.generation:
-            proc.send(("abort", targets))
+            proc.send(AbortRequests(tuple(targets)))
 
     async def ping(self, timeout: float) -> EngineSnapshot:
         """A round trip to the engine loop; raises EngineUnavailableError if it does not answer in time."""
@@ -154,7 +159,7 @@ class AsyncEngineClient:
         ping_id = next(self._ping_ids)
         fut = asyncio.get_running_loop().create_future()
         self._pings[ping_id] = fut
-        proc.send(("ping", ping_id))
+        proc.send(Ping(ping_id))
         try:
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, EngineDeadError):
@@ -178,26 +183,25 @@ class AsyncEngineClient:
         return EngineUnavailableError("the engine is restarting; retry shortly", "engine_restarting")
 
     # ---- from the engine, on the event loop ----
-    def _on_message(self, proc: EngineProcess, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            self._set_snapshot(proc, msg[2])
-            self._dispatch(msg[1])
-        elif kind == "pong":
-            self._set_snapshot(proc, msg[2])
-            fut = self._pings.get(msg[1])
+    def _on_message(self, proc: EngineProcess, msg: FromEngine) -> None:
+        if isinstance(msg, Outputs):
+            self._set_snapshot(proc, msg.snapshot)
+            self._dispatch(msg.outputs)
+        elif isinstance(msg, Pong):
+            self._set_snapshot(proc, msg.snapshot)
+            fut = self._pings.get(msg.ping_id)
             if fut is not None and not fut.done():
-                fut.set_result(msg[2])
-        elif kind in ("added", "rejected"):
-            handle = self._requests.get(msg[1])
+                fut.set_result(msg.snapshot)
+        elif isinstance(msg, (Added, Rejected)):
+            handle = self._requests.get(msg.parent_id)
             if handle is None or handle.accepted.done():
                 return
-            if kind == "added":
+            if isinstance(msg, Added):
                 handle.accepted.set_result(None)
             else:
-                handle.accepted.set_exception(RequestRejected(msg[3], code=msg[2]))
-        elif kind == "ready":
-            self._set_snapshot(proc, EngineSnapshot(num_kv_blocks=msg[1].num_kv_blocks))
+                handle.accepted.set_exception(RequestRejected(msg.message, code=msg.code))
+        elif isinstance(msg, Ready):
+            self._set_snapshot(proc, EngineSnapshot(num_kv_blocks=msg.info.num_kv_blocks))
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -228,7 +232,7 @@ class AsyncEngineClient:
         live = proc is not None and not proc.dead.is_set()
         children = [c for h in self._requests.values() if live and h.generation == proc.number for c in h.unfinished]
         if children:
-            proc.send(("abort", children))
+            proc.send(AbortRequests(tuple(children)))
         for handle in self._requests.values():
             if not handle.accepted.done():
                 handle.accepted.set_exception(err)

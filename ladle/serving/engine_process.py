@@ -1,13 +1,8 @@
 """The engine core in its own process: the loop the API server's supervisor starts, watches and restarts.
 
-The API process talks to it over one duplex multiprocessing Pipe. Messages are plain tuples:
-
-  API -> engine: ("add", parent_id, [(child_id, prompt_token_ids, SamplingParams), ...])
-                 ("abort", [child_id, ...]) | ("ping", ping_id) | ("shutdown",)
-  engine -> API: ("ready", EngineInfo) | ("startup_failed", reason, is_user_error)
-                 ("added", parent_id) | ("rejected", parent_id, code, message)
-                 ("outputs", [EngineCoreOutput, ...], EngineSnapshot) | ("pong", ping_id, EngineSnapshot)
-                 ("fatal", reason)  -- sent just before the process exits on an error inside a step
+The API process talks to it over one duplex multiprocessing Pipe, in the frozen dataclasses of
+ladle.serving.messages (AddRequest, AbortRequests, Ping, Shutdown in; Ready, StartupFailed, Added, Rejected,
+Outputs, Pong, Fatal out).
 
 A pipe, not a multiprocessing.Queue: a process killed while holding a Queue's lock can wedge the other side,
 while a dead pipe peer reads as EOF, which is exactly the death signal the supervisor needs.
@@ -33,7 +28,12 @@ from typing import Any
 
 from ladle.config import EngineArgs
 from ladle.startup.cpu_lending import WINDOW_S
+from ladle.engine.core_output import EngineSnapshot
 from ladle.request import RequestRejected
+from ladle.serving.messages import (
+    AbortRequests, Added, AddRequest, EngineInfo, Fatal, FromEngine, Outputs, Ping, Pong, Ready, Rejected, Shutdown,
+    StartupFailed, ToEngine,
+)
 
 logger = logging.getLogger("ladle.engine_process")
 
@@ -41,38 +41,9 @@ _MAX_MESSAGES_PER_STEP = 256
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    pid: int
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
-    config_table: str
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The core's gauges and cumulative counters, as of one point in the engine loop."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_in_use: int = 0
-    num_kv_blocks: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefill_chunks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_steps: int = 0
-    steps_with_lent_cpus: int = 0
-    step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0
-
-
-ChildSpec = tuple[str, list[int], Any]  # (child_id, prompt_token_ids, SamplingParams)
+class _ReceiveFailed:
+    """The input thread's last word, queued for the loop: EOF (the API went away) or a message it could not read."""
+    error: BaseException
 
 
 class EngineLoop:
@@ -82,29 +53,17 @@ class EngineLoop:
         self.core = core
         self.conn = conn
         self.max_queue_len = max_queue_len
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[ToEngine | _ReceiveFailed] = queue.SimpleQueue()
         self._send_lock = threading.Lock()  # the loop and the input thread both send
         self._gauges = EngineSnapshot()  # as of the last step or message, for pongs
         self._step_started: float | None = None
 
-    def snapshot(self) -> EngineSnapshot:
-        core, stats = self.core, self.core.stats
-        kv = core.kv
-        return EngineSnapshot(
-            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
-            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks,
-            num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
-            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
-        )
-
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: FromEngine) -> None:
         with self._send_lock:
             self.conn.send(msg)
 
     def run(self) -> None:
-        self._gauges = self.snapshot()
+        self._gauges = self.core.snapshot()
         threading.Thread(target=self._receive, name="ladle-engine-input", daemon=True).start()
         while True:
             if not self.core.has_unfinished_requests() and not self._handle(self._wait_idle()):
@@ -123,22 +82,20 @@ class EngineLoop:
                     outputs = self.core.step()
                 finally:
                     self._step_started = None
-                self._account(outputs)
-                self._gauges = self.snapshot()
+                self._gauges = self.core.snapshot()
                 if outputs:
-                    self.send(("outputs", outputs, self._gauges))
+                    self.send(Outputs(outputs, self._gauges))
             else:
-                self._gauges = self.snapshot()
+                self._gauges = self.core.snapshot()
 
-    def _wait_idle(self) -> tuple:
+    def _wait_idle(self) -> ToEngine | _ReceiveFailed:
         """Sleep until the API sends something (no busy spin), waking once a window to keep the lender's
         reading of the CPUs' load current."""
-        lender = self.core.lender
-        while lender is not None:
+        while self.core.lender is not None:
             try:
                 return self._inbox.get(timeout=WINDOW_S)
             except queue.Empty:
-                lender.observe()
+                self.core.lender.observe()
         return self._inbox.get()
 
     def _receive(self) -> None:
@@ -146,56 +103,52 @@ class EngineLoop:
         try:
             while True:
                 msg = self.conn.recv()
-                if msg[0] == "ping":
+                if isinstance(msg, Ping):
                     started = self._step_started
                     running = time.monotonic() - started if started is not None else 0.0
-                    self.send(("pong", msg[1], dataclasses.replace(self._gauges, step_running_s=running)))
+                    self.send(Pong(msg.ping_id, dataclasses.replace(self._gauges, step_running_s=running)))
                     continue
                 self._inbox.put(msg)
-                if msg[0] == "shutdown":
+                if isinstance(msg, Shutdown):
                     return
         except BaseException as e:  # noqa: BLE001 -- EOF (the API went away) or an undecodable message
-            self._inbox.put(("_receive_failed", e))
+            self._inbox.put(_ReceiveFailed(e))
 
-    def _handle(self, msg: tuple) -> bool:
+    def _handle(self, msg: ToEngine | _ReceiveFailed) -> bool:
         """Apply one message; False means shut down."""
-        kind = msg[0]
-        if kind == "add":
-            self._add(msg[1], msg[2])
-        elif kind == "abort":
-            outputs = self.core.abort_requests(list(msg[1]))
-            self._forget(o.request_id for o in outputs)
+        if isinstance(msg, AddRequest):
+            self._add(msg.parent_id, [list(p) for p in msg.prompts], msg.params)
+        elif isinstance(msg, AbortRequests):
+            outputs = self.core.abort_requests(list(msg.child_ids))
             if outputs:
-                self.send(("outputs", outputs, self.snapshot()))
-        elif kind == "shutdown":
+                self.send(Outputs(outputs, self.core.snapshot()))
+        elif isinstance(msg, Shutdown):
             return False
-        elif kind == "_receive_failed":
-            raise msg[1]
+        elif isinstance(msg, _ReceiveFailed):
+            raise msg.error
         else:
-            logger.error("unknown message %r from the API process; ignored", kind)
+            logger.error("unknown message %r from the API process; ignored", type(msg).__name__)
         return True
 
-    def _add(self, parent_id: str, children: list[ChildSpec]) -> None:
+    def _add(self, parent_id: str, prompts: list[list[int]], params: Any) -> None:
         """All children of one API request are admitted together, or none is."""
-        if self.max_queue_len is not None and len(self.core.scheduler.waiting) >= self.max_queue_len:
-            self.send(("rejected", parent_id, "queue_full",
-                       f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
+        if self.max_queue_len is not None and self.core.snapshot().num_waiting >= self.max_queue_len:
+            self.send(Rejected(parent_id, "queue_full",
+                               f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
             return
         try:
-            requests = [self.core.make_request(cid, ids, params) for cid, ids, params in children]
-            for req in requests:
-                self.core.check_request(req)
+            requests = self.core.make_requests(parent_id, prompts, params)
         except RequestRejected as e:
-            self.send(("rejected", parent_id, e.code, str(e)))
+            self.send(Rejected(parent_id, e.code, str(e)))
             return
         except (ValueError, TypeError) as e:
-            self.send(("rejected", parent_id, "invalid_request", str(e)))
+            self.send(Rejected(parent_id, "invalid_request", str(e)))
             return
         except Exception as e:  # noqa: BLE001 -- a request the engine cannot make is refused, never fatal
             logger.error("could not make request %s; refusing it", parent_id, exc_info=e)
-            self.send(("rejected", parent_id, "internal_error",
-                       f"the engine could not take this request ({type(e).__name__}); the server log has "
-                       f"the details under request id {parent_id}"))
+            self.send(Rejected(parent_id, "internal_error",
+                               f"the engine could not take this request ({type(e).__name__}); the server log has "
+                               f"the details under request id {parent_id}"))
             return
         added: list[str] = []
         try:
@@ -204,19 +157,10 @@ class EngineLoop:
                 added.append(req.request_id)
         except ValueError as e:
             self.core.abort_requests(added)
-            self._forget(added)
-            self.send(("rejected", parent_id, "invalid_request", str(e)))
+            self.send(Rejected(parent_id, "invalid_request", str(e)))
             return
-        self.send(("added", parent_id))
+        self.send(Added(parent_id))
 
-    def _account(self, outputs: list) -> None:
-        self._forget(o.request_id for o in outputs if o.finish_reason is not None)
-
-    def _forget(self, request_ids) -> None:
-        # Per-request chunk lists are diagnostics for offline runs; a server drops them when a request ends.
-        chunks = self.core.stats.prefill_chunks
-        for rid in request_ids:
-            chunks.pop(rid, None)
 
 
 def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connection,
@@ -238,12 +182,12 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         # The API process prints the one-line reason; the traceback is for --log-level DEBUG.
         logger.debug("engine startup failed:\n%s", traceback.format_exc())
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
-        _send_quietly(conn, ("startup_failed", str(e) if user_error else f"{type(e).__name__}: {e}", user_error))
+        _send_quietly(conn, StartupFailed(str(e) if user_error else f"{type(e).__name__}: {e}", user_error))
         os._exit(1)
     core.model_executor.on_failure(_exit_on_rank_death)
     cfg = core.config
-    conn.send(("ready", EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
-                                   core.hf_config.vocab_size, cfg.table())))
+    conn.send(Ready(EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
+                               core.hf_config.vocab_size, cfg.table())))
     try:
         EngineLoop(core, conn, max_queue_len).run()
         core.shutdown()
@@ -251,7 +195,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         logger.warning("the API process went away; the engine process exits")
     except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
         logger.error("engine loop failed:\n%s", traceback.format_exc())
-        _send_quietly(conn, ("fatal", f"{type(e).__name__}: {e}"))
+        _send_quietly(conn, Fatal(f"{type(e).__name__}: {e}"))
         os._exit(1)
 
 
@@ -262,7 +206,7 @@ def _exit_on_rank_death(reason: str) -> None:
     os._exit(1)
 
 
-def _send_quietly(conn: Connection, msg: tuple) -> None:
+def _send_quietly(conn: Connection, msg: FromEngine) -> None:
     try:
         conn.send(msg)
     except OSError:

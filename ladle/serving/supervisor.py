@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ladle.config import EngineArgs
-from ladle.serving.engine_process import EngineInfo, run_engine_process
+from ladle.serving.engine_process import run_engine_process
+from ladle.serving.messages import EngineInfo, Fatal, FromEngine, Ready, Shutdown, StartupFailed, ToEngine
 
 logger = logging.getLogger("ladle.supervisor")
 
@@ -61,7 +62,7 @@ class EngineProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: ToEngine) -> None:
         self.outbox.put(msg)
 
     def writer(self) -> None:
@@ -107,7 +108,7 @@ class EngineProcess:
 
 class EngineSupervisor:
     def __init__(self, args: EngineArgs, explicit: frozenset[str], config: SupervisorConfig, log_level: str,
-                 on_message: Callable[[EngineProcess, tuple], None], on_dead: Callable[[EngineProcess], None],
+                 on_message: Callable[[EngineProcess, FromEngine], None], on_dead: Callable[[EngineProcess], None],
                  ping: Callable[[float], Awaitable[Any]]) -> None:
         self.args, self.explicit, self.config, self.log_level = args, explicit, config, log_level
         self._on_engine_message, self._on_engine_dead, self._ping = on_message, on_dead, ping
@@ -133,7 +134,7 @@ class EngineSupervisor:
             self._task.cancel()
         proc = self.current
         if proc is not None:
-            proc.send(("shutdown",))
+            proc.send(Shutdown())
             await proc.close(timeout)
 
     async def _run(self) -> None:
@@ -254,16 +255,15 @@ class EngineSupervisor:
             return
 
     # ---- on the event loop, from the reader thread ----
-    def _on_message(self, proc: EngineProcess, msg: tuple) -> None:
+    def _on_message(self, proc: EngineProcess, msg: FromEngine) -> None:
         if proc is not self.current or proc.dead.is_set():
             return  # a late message from an old generation
-        kind = msg[0]
-        if kind == "ready":
-            proc.info, proc.ready_at = msg[1], time.monotonic()
+        if isinstance(msg, Ready):
+            proc.info, proc.ready_at = msg.info, time.monotonic()
             proc.ready.set_result(None)
-        elif kind in ("startup_failed", "fatal"):
-            proc.error = msg[1]
-            proc.user_error = kind == "startup_failed" and msg[2]
+        elif isinstance(msg, (StartupFailed, Fatal)):
+            proc.error = msg.reason
+            proc.user_error = isinstance(msg, StartupFailed) and msg.user_error
         self._on_engine_message(proc, msg)
 
     def _on_dead(self, proc: EngineProcess) -> None:
