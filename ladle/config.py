@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # torch loads only where a device is resolved: validating arguments must be instant
@@ -180,48 +180,6 @@ class Setting:
     value: Any
     source: Source
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    tokenizer: str
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_prefill_length: int
-    max_num_seqs: int
-    block_size: int
-    num_kv_blocks: int
-    seed: int
-    enable_prefix_caching: bool = True
-    max_cudagraph_capture_size: int = 0  # largest step (tokens) captured in a CUDA graph; 0 = eager only
-    cudagraph_mode: str = "NONE"  # FULL | FULL_DECODE_ONLY | NONE (no graphs)
-    async_scheduling: bool = False
-    partial_prefills: Any = None  # ladle.startup.partial_prefill.PartialPrefillLimits; None: one prefill per step
-    scheduling_policy: str = "fcfs"
-    attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
-    settings: dict[str, Setting] = field(default_factory=dict)
-    plan: Any = None  # the MemoryPlan that sized the memory settings
-    kv_layout: Any = None  # ladle.kv_cache.specs.KVCacheLayout: the KV cache groups and what a block costs
-    cpu_lending: Any = None  # ladle.startup.cpu_lending.CpuLending: reserved CPUs the steps may borrow; None: none
-
-    def report(self) -> str:
-        """The resolved settings with their provenance, then the memory plan and the KV cache groups."""
-        lines = [self.table()]
-        if self.plan is not None:
-            lines += self.plan.lines()
-        if self.kv_layout is not None:
-            lines += self.kv_layout.lines()
-        return "\n".join(lines)
-
-    def table(self) -> str:
-        rows = [(k, str(s.value), s.source, s.reason) for k, s in self.settings.items()]
-        widths = [max(len(r[i]) for r in rows + [("setting", "value", "source", "")]) for i in range(3)]
-        head = f"{'setting':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason"
-        lines = [head] + [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
-        return "\n".join(lines)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ladle.config import EngineConfig
+from ladle.startup.engine_config import EngineConfig
 from ladle.engine.scheduler import Scheduler
 from ladle.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from ladle.request import Request, RequestStatus

@@ -11,7 +11,7 @@ import torch
 
 from hf_oracle import hf_greedy
 from ladle import LLM, SamplingParams
-from ladle.config import EngineConfig
+from ladle.startup.engine_config import EngineConfig
 from ladle.demo import build_checkpoint
 from ladle.kv_cache import block_pool
 from ladle.kv_cache.manager import KVCacheManager

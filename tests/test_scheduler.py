@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ladle.config import EngineConfig
+from ladle.startup.engine_config import EngineConfig
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.engine.scheduler import Scheduler
 from ladle.request import Request, RequestRejected

@@ -2,7 +2,7 @@
 the queue for what cannot come."""
 from __future__ import annotations
 
-from ladle.config import EngineConfig
+from ladle.startup.engine_config import EngineConfig
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestRejected
 

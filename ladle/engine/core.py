@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig
 
-from ladle.config import EngineArgs, EngineConfig
+from ladle.config import EngineArgs
+from ladle.startup.engine_config import EngineConfig
 from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
 from ladle.startup.cpu_lending import CpuLender
 from ladle.executor.executor import Executor

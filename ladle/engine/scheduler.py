@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from ladle.config import EngineConfig
+from ladle.startup.engine_config import EngineConfig
 from ladle.engine.admission import check_admissible
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.fair_shares import fair_shares

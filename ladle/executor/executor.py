@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from ladle.config import EngineArgs, EngineConfig
+from ladle.config import EngineArgs
+from ladle.startup.engine_config import EngineConfig
 from ladle.runner.model_runner import ModelRunner, PendingStep, SampledToken
 from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.startup.setup import Loaded, build_runner, load_and_plan

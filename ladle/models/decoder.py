@@ -1,7 +1,7 @@
 """The decoder-only causal LM that Qwen3 and Llama share; parameter names follow the HF checkpoints."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,9 @@ class DecoderForCausalLM(nn.Module):
     biases are read from the config."""
 
     qk_norm: bool = False
-    tensor_parallel: bool = True  # shard() covers every layer the model has (a subclass with others says False)
+    tensor_parallel: ClassVar[bool] = True  # shard() covers every layer (a subclass with others says False)
+    # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
+    cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
@@ -119,9 +121,10 @@ class DecoderForCausalLM(nn.Module):
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuHead | CpuLinear | None = None
-        # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
-        self.cpu_kernels: tuple[str, str] = ("torch", "F.linear")
         self.tp: TensorParallel = SINGLE  # the head is vocab-parallel when sharded
+
+    def init_dummy_buffers(self, generator: torch.Generator) -> None:
+        """Nothing to fill: every buffer these models have is derived (the rope tables)."""
 
     def forward(
         self,

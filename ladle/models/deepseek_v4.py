@@ -12,7 +12,7 @@ every CSA layer, then the state of every compressed layer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,9 @@ class Block(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
+    cpu_kernels: tuple[str, str] | None = None  # it runs torch's kernels everywhere: no row in the table
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         _check_config(config)
@@ -158,6 +161,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.head is None else self.head.weight
         return F.linear(hidden, weight).float()
+
+    def shard(self, tp: Any) -> dict:
+        raise NotImplementedError("DeepSeek-V4 has no tensor-parallel form (tensor_parallel is False)")
+
+    def lay_out_for_cpu(self) -> None:
+        """Nothing to lay out: its weights stay as torch holds them (no C kernels for it yet)."""
 
     @torch.no_grad()
     def init_dummy_buffers(self, generator: torch.Generator) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ladle.models.interface import RoutedExperts
 from ladle.models.moe import FusedMoE
 
 
@@ -60,14 +61,13 @@ class Gate(nn.Module):
         return weights * self.scaling, ids
 
 
-class MoE(nn.Module):
+class MoE(RoutedExperts):
     def __init__(self, config: Any, hashed: bool) -> None:
         super().__init__()
         self.gate = Gate(config, hashed)
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
                                 config.hidden_act, ("w1", "w3", "w2"), config.swiglu_limit)
         self.shared_experts = ClampedMLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
-        self.force_worst_routing = False  # profiling: every token to experts 0..k-1
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)

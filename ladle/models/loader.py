@@ -104,7 +104,7 @@ def load_model(
     with torch.device("meta"):
         model = model_cls(config)
         if tp.world_size > 1:
-            if not getattr(model_cls, "tensor_parallel", False):
+            if not model_cls.tensor_parallel:
                 raise ValueError(f"{model_cls.__name__} has no tensor-parallel form yet; run it with "
                                  "tensor_parallel_size 1")
             slices = model.shard(tp)
@@ -116,8 +116,7 @@ def load_model(
 
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-        if hasattr(model, "init_dummy_buffers"):  # buffers that must hold valid values (a hash-routing table)
-            model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
+        model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
         loaded = model.load_weights(
             (name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
@@ -127,7 +126,7 @@ def load_model(
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
-    if device.type == "cpu" and hasattr(model, "lay_out_for_cpu"):
+    if device.type == "cpu":
         model.lay_out_for_cpu()
     return model.requires_grad_(False).eval(), config
 

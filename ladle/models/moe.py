@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
+from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
 from ladle.models.ops import ModelOps, TorchOps
 
@@ -57,7 +58,7 @@ class FusedMoE(nn.Module):
         return self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(RoutedExperts):
     """Router + experts, named as the checkpoint names them (`mlp.gate`, `mlp.experts`)."""
 
     def __init__(self, config: Any) -> None:
@@ -67,9 +68,6 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 config.hidden_act)
-        # Profiling sets this: every token goes to experts 0..k-1, the routing that puts the most tokens
-        # through one expert, whatever the dummy tokens' own routing would be.
-        self.force_worst_routing = False
         self.tp: TensorParallel = SINGLE  # experts sharded on their intermediate dimension when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

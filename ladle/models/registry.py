@@ -4,8 +4,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from torch import nn
-
+from ladle.models.interface import CausalLM
 from ladle.models.deepseek_v4 import DeepseekV4ForCausalLM
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
@@ -13,7 +12,7 @@ from ladle.models.qwen3 import Qwen3ForCausalLM
 from ladle.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_MODELS: Mapping[str, type[nn.Module]] = MappingProxyType({
+MODELS: Mapping[str, type[CausalLM]] = MappingProxyType({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -39,11 +38,11 @@ def text_config_of(config: Any) -> Any:
     return text
 
 
-def model_class_for(config: Any) -> type[nn.Module]:
+def model_class_for(config: Any) -> type[CausalLM]:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
-        raise ValueError(f"config names no architecture; supported: {', '.join(_MODELS)}")
+        raise ValueError(f"config names no architecture; supported: {', '.join(MODELS)}")
     name = architectures[0]
-    if name not in _MODELS:
-        raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(_MODELS)}")
-    return _MODELS[name]
+    if name not in MODELS:
+        raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(MODELS)}")
+    return MODELS[name]

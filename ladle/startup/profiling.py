@@ -14,6 +14,7 @@ import torch
 from ladle.attention.backends import select_backend
 from ladle.startup.memory import measure_peak
 from ladle.kv_cache.specs import KVCacheLayout
+from ladle.models.interface import RoutedExperts
 from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.runner.inputs import ScheduledChunk
@@ -113,7 +114,7 @@ def profile_points(
     and a few rows at max_context to confirm it stays flat."""
     # Dummy tokens route wherever they happen to; the plan must hold for the worst routing (every token of a
     # step through the same experts), so MoE layers are told to route that way while profiling.
-    routers = [m for m in model.modules() if hasattr(m, "force_worst_routing")]
+    routers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     for m in routers:
         m.force_worst_routing = True
     try:

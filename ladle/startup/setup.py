@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from ladle.config import (
-    EngineArgs, EngineConfig, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
+    EngineArgs, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
     resolve_cudagraph_mode, resolve_cudagraph_size,
 )
+from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
@@ -176,7 +177,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         check_max_model_len(args.max_model_len, model_max)
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp)
     lending = keep_lending(lending, model, prov)
-    if hasattr(model, "cpu_kernels") and device.type == "cpu":
+    if model.cpu_kernels is not None and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if weights >= budget:

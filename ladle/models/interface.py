@@ -1,0 +1,63 @@
+"""What the loader, the planner and the runner call on a model: the CausalLM protocol every registered class
+meets (tests/test_model_interface.py checks each one), and the base class of the layers that route tokens to
+experts. Optional behaviour is a member with a no-op default, never an attribute probed with hasattr."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Protocol
+
+from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from ladle.distributed.parallel_state import TensorParallel
+    from ladle.kv_cache.specs import CacheSpec
+
+
+class CausalLM(Protocol):
+    # Whether shard() covers every layer the model has; False: it runs with tensor_parallel_size 1 only.
+    tensor_parallel: ClassVar[bool]
+    # (value, reason) for the settings table: which kernels lay_out_for_cpu gave it; None: no row.
+    cpu_kernels: tuple[str, str] | None
+
+    def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
+        """What each cache layer keeps per request (ladle.kv_cache.specs)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
+                meta: Any) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]; meta: one entry per KV group."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> fp32 logits [N, vocab] (None on a tensor-parallel rank other than the driver)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in; returns the parameter names loaded."""
+
+    def shard(self, tp: TensorParallel) -> dict:
+        """Shard the model (still on meta) for rank tp.rank; returns the checkpoint slices it loads."""
+
+    def init_dummy_buffers(self, generator: torch.Generator) -> None:
+        """With dummy weights: fill the buffers that must hold valid values (a hash-routing table)."""
+
+    def lay_out_for_cpu(self) -> None:
+        """After loading, on CPU: put the weights in the layouts the CPU kernels read."""
+
+    # The nn.Module surface the engine uses.
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def buffers(self) -> Iterator[torch.Tensor]: ...
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+class RoutedExperts(nn.Module):
+    """A layer that routes each token to experts. Profiling sets force_worst_routing: every token of the step
+    to experts 0..k-1, the routing that puts the most tokens through one expert, so the memory plan holds
+    whatever the dummy tokens' own routing would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.force_worst_routing = False
+
+
+def causal_lm_members() -> list[str]:
+    """The protocol's own members, for the test that every registered model class has each one."""
+    return sorted({*CausalLM.__annotations__, *(n for n in vars(CausalLM) if not n.startswith("_"))})
