@@ -21,14 +21,16 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     """Decode steps eager vs replayed from CUDA graphs (ladle.runner.cuda_graphs), on a scratch KV pool:
     step time at each batch size, and how far the graph's logits are from the eager ones."""
     from ladle.runner.cuda_graphs import DecodeGraphs
-    from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+    from ladle.runner.inputs import build_step_inputs
+    from ladle.runner.step_batch import ScheduledChunk, StepBatch
     from ladle.runner.model_runner import allocate_kv_caches
 
     ec, model = core.config, core.model_executor.runner.model
     per_seq = -(-(context + 1) // ec.block_size)
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * max(batches), ec.device)
     t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device, core.model_executor.runner.backends[0])
+    graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device,
+                          core.model_executor.runner.backends)
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
@@ -67,7 +69,8 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     KV pool: `decodes` decodes at `context` beside one `chunk`-token prefill chunk, for each (decodes, chunk);
     step time and how far the graph's hidden states (the sampled rows') are from the eager ones."""
     from ladle.attention.backends import TritonAttention
-    from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+    from ladle.runner.inputs import build_step_inputs
+    from ladle.runner.step_batch import ScheduledChunk, StepBatch
     from ladle.runner.mixed_graphs import MixedGraphs
     from ladle.runner.model_runner import allocate_kv_caches
 
@@ -79,7 +82,7 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     # Padding writes to slot -1, which only the Triton kernels skip: the dry run takes them, in the interpreter.
     backend = core.model_executor.runner.backends[0] if ec.device.type == "cuda" else TritonAttention()
     t0 = time.perf_counter()
-    graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, backend)
+    graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, (backend,))
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
@@ -94,7 +97,7 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     for decodes, chunk in steps:
         chunks = [ScheduledChunk([i + 1], context, table(i), True) for i in range(decodes)]
         chunks.append(ScheduledChunk(list(range(1, chunk + 1)), context, table(decodes), True))
-        row = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c)), ec.device,
+        row = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c))[0], ec.device,
                               "max_abs_hidden_diff")
         res[f"decodes{decodes}_chunk{chunk}"] = dict(row, tokens=decodes + chunk,
                                                      graph_size=graphs.bucket(decodes + chunk))
@@ -105,7 +108,8 @@ def kernel_check(device: torch.device, small: bool) -> dict:
     """The Triton kernels against the CPU fp32 torch reference at the 8B head shape, on a mixed step."""
     from ladle.attention import torch_ref as reference
     from ladle.attention import triton_attention
-    from ladle.runner.inputs import ScheduledChunk, build_step_inputs
+    from ladle.runner.inputs import build_step_inputs
+    from ladle.runner.step_batch import ScheduledChunk
 
     res: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
@@ -138,7 +142,8 @@ def kernel_check(device: torch.device, small: bool) -> dict:
 def _attention_case(reqs: list[tuple[int, int]], device: torch.device) -> tuple:
     """(step metadata, q, k pool, v pool, FLOPs, KV bytes read) of bf16 attention at the 8B head shape for
     requests (tokens cached, new tokens), each on shuffled blocks of one scratch pool."""
-    from ladle.runner.inputs import ScheduledChunk, build_step_inputs
+    from ladle.runner.inputs import build_step_inputs
+    from ladle.runner.step_batch import ScheduledChunk
 
     page, heads, kvh, dim = 16, 32, 8, 128
     blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())

@@ -103,7 +103,7 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     set_ops(runner.model, TritonOps())
     runner.backends = (TritonAttention(),)
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
-                          runner.device, runner.backends[0])
+                          runner.device, runner.backends)
     used: list[int] = []
     real_run = graphs.run
 
@@ -148,7 +148,7 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     set_ops(runner.model, TritonOps())
     runner.backends = (TritonAttention(),)
     mixed = MixedGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 32,
-                        llm.config.max_num_seqs, runner.device, runner.backends[0], runner.windows[0])
+                        llm.config.max_num_seqs, runner.device, runner.backends, runner.windows)
     assert mixed.sizes == (16, 32) and mixed.bucket(17) == 32
     used: list[tuple[int, int]] = []
     real_run = mixed.run

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from ladle.runner import inputs
-from ladle.runner.inputs import ScheduledChunk, build_step_inputs
+from ladle.runner import step_layout
+from ladle.runner.inputs import build_step_inputs
+from ladle.runner.step_batch import ScheduledChunk
 
 
 def test_mixed_step_metadata():
@@ -50,7 +51,7 @@ def test_decode_steps_lay_out_alike_in_lists_and_in_arrays(monkeypatch):
     tables = (torch.tensor([c.block_ids[0] + [0] * (5 - len(c.block_ids[0])) for c in chunks], dtype=torch.int32),)
     for kept in (None, tables):
         lists = build_step_inputs(chunks, 4, block_tables=kept)
-        monkeypatch.setattr(inputs, "DECODE_LISTS_MAX", 0)
+        monkeypatch.setattr(step_layout, "DECODE_LISTS_MAX", 0)
         arrays = build_step_inputs(chunks, 4, block_tables=kept)
         monkeypatch.undo()
         for a, b in ((lists, arrays), (lists.attn, arrays.attn)):
@@ -63,3 +64,42 @@ def test_decode_steps_lay_out_alike_in_lists_and_in_arrays(monkeypatch):
         assert lists.attn.slot_mapping.tolist()[3] == chunks[3].block_ids[0][2] * 4 + 1
     with pytest.raises(ValueError, match="needs 3 blocks"):
         build_step_inputs([ScheduledChunk([1], start_pos=8, block_ids=[0, 1], sample=True)], 4)
+
+
+def _layout(chunks, bs=4):
+    from ladle.runner.step_batch import StepBatch
+
+    return step_layout.lay_out(StepBatch.of(chunks), bs, ((1, 1),), None)
+
+
+def test_padded_decodes_write_and_read_nothing():
+    """What a decode graph of 4 rows gets for 2 decodes: padding rows of token 0 at position 0 with slot -1 (no
+    KV write), context 0 (no KV read) and zero table rows; the real rows are the eager layout's."""
+    real = _layout([ScheduledChunk([5], 6, [3, 8], True), ScheduledChunk([6], 0, [2], True)])
+    padded = step_layout.pad_decodes(real, 4)
+    assert list(padded.token_ids) == [5, 6, 0, 0] and list(padded.positions) == [6, 0, 0, 0]
+    assert list(padded.slots[0]) == [8 * 4 + 2, 2 * 4, -1, -1]
+    assert list(padded.cu) == [0, 1, 2, 3, 4] and list(padded.context) == [7, 1, 0, 0]
+    assert padded.query_lens == (1, 1, 1, 1)
+    assert padded.tables[0].tolist() == [[3, 8], [2, 0], [0, 0], [0, 0]]
+    assert list(padded.logits_indices) == [0, 1] and padded.sampled_rows == (0, 1)
+
+
+def test_padded_tokens_form_one_request_that_writes_nothing():
+    """What a mixed graph of 16 tokens and 6 request rows gets for a 3-token chunk beside a decode: one more
+    request of the 12 padding tokens (slots -1, positions 0.., context 12, table of block 0), then requests
+    with no tokens; the sampled rows stay the real ones."""
+    real = _layout([ScheduledChunk([1, 2, 3], 2, [4, 9], True), ScheduledChunk([7], 5, [6, 1], True)])
+    padded = step_layout.pad_tokens(real, 16, 6, 4)
+    assert list(padded.cu) == [0, 3, 4, 16, 16, 16, 16]
+    assert padded.query_lens == (3, 1, 12, 0, 0, 0)
+    assert list(padded.context) == [5, 6, 12, 0, 0, 0]
+    assert list(padded.positions) == [2, 3, 4, 5] + list(range(12))
+    assert list(padded.slots[0]) == [4 * 4 + 2, 4 * 4 + 3, 9 * 4, 1 * 4 + 1] + [-1] * 12
+    assert padded.tables[0].shape == (6, 3) and padded.tables[0][2:].sum() == 0  # the padding reads block 0
+    assert list(padded.logits_indices) == [2, 3] and padded.sampled_rows == (0, 1)
+    with pytest.raises(ValueError, match="padded step cannot carry state"):
+        from ladle.runner.inputs import fill_inputs
+        from ladle.runner.step_buffers import StepBuffers
+
+        fill_inputs(padded, StepBuffers(torch.device("cpu")), 4, (None,), (None,), num_state_groups=1)

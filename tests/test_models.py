@@ -13,7 +13,8 @@ from ladle.kv_cache.specs import AttentionSpec
 from ladle.models.loader import load_model
 from ladle.models.registry import model_class_for
 from ladle.attention.torch_ref import paged_attention, write_kv
-from ladle.runner.inputs import ScheduledChunk, build_step_inputs
+from ladle.runner.inputs import build_step_inputs
+from ladle.runner.step_batch import ScheduledChunk
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

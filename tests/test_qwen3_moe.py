@@ -11,7 +11,7 @@ from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.startup.memory import measure_peak
 from ladle.models.moe import SparseMoeBlock, route
-from ladle.runner.inputs import ScheduledChunk
+from ladle.runner.step_batch import ScheduledChunk
 from ladle.runner.sampling_batch import sampling_metadata
 
 PROMPT_LENS = [1, 3, 17, 64, 150]

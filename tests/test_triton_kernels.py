@@ -22,7 +22,8 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 from ladle.attention import torch_ref as reference  # noqa: E402
 from ladle.attention import triton_attention as kernels  # noqa: E402
 from ladle.attention.metadata import AttentionMetadata  # noqa: E402
-from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs  # noqa: E402
+from ladle.runner.inputs import build_step_inputs  # noqa: E402
+from ladle.runner.step_batch import ScheduledChunk, StepBatch  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
@@ -195,7 +196,8 @@ def test_decode_graph_buffers_pad_without_side_effects() -> None:
     run_steps(model, caches, PREFILL_STEPS, backend)
     want = run_steps(model, caches, [DECODES], backend)[0]
     before = [(k.clone(), v.clone()) for k, v in caches]
-    graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE, backend=backend)
+    graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE,
+                          backends=(backend,))
     if ON_GPU:
         graphs.capture()
     assert graphs.sizes == (1, 2, 4) and graphs.bucket(3) == 4

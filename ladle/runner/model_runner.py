@@ -15,7 +15,8 @@ from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.cuda_graphs import DecodeGraphs
-from ladle.runner.inputs import ScheduledChunk, StepBatch, build_step_inputs
+from ladle.runner.inputs import build_step_inputs
+from ladle.runner.step_batch import ScheduledChunk, StepBatch
 from ladle.runner.mixed_graphs import MixedGraphs
 from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.runner.runner_requests import RunnerRequests
@@ -125,11 +126,11 @@ class ModelRunner:
         pool = None
         if mixed_tokens:  # the larger steps first: the decode graphs then reuse their pool's blocks
             mixed = MixedGraphs(self.model, self.kv_caches, self.block_size, max_model_len, mixed_tokens,
-                                max_num_seqs, self.device, self.backends[0], self.windows[0])
+                                max_num_seqs, self.device, self.backends, self.windows, self.buffers)
             pool = mixed.capture()
             self.mixed_graphs = mixed
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_batch, self.device,
-                              self.backends[0], self.windows[0])
+                              self.backends, self.windows, self.buffers)
         graphs.capture(pool)
         self.graphs = graphs
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
@@ -207,23 +208,16 @@ class ModelRunner:
         self, step: StepBatch, block_tables: tuple[torch.Tensor, ...] | None, input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the step's tokens."""
-        table = None if block_tables is None else block_tables[0]
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.run(step, table, input_ids)
+            return self.graphs.run(step, block_tables, input_ids)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
-            hidden = self.mixed_graphs.run(step, table)
-            ends = np.cumsum(step.num_tokens)[np.array(step.sample, dtype=bool)] - 1
-            if not len(ends):
-                return None
-            self.buffers.begin()
-            rows = self.buffers.put("logits_indices", ends, torch.int64)
-            self.buffers.end()
-            return self.model.compute_logits(hidden[rows])
-        inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.windows, self.backends,
-                                   self.num_state_groups, self.compressions, self.buffers)
-        ids = inputs.input_ids if input_ids is None else input_ids
-        self.state_touched = self.num_state_groups > 0
-        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
+            hidden, inputs = self.mixed_graphs.run(step, block_tables)
+        else:
+            inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.windows,
+                                       self.backends, self.num_state_groups, self.compressions, self.buffers)
+            ids = inputs.input_ids if input_ids is None else input_ids
+            self.state_touched = self.num_state_groups > 0
+            hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
         if not inputs.sampled_rows:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -13,7 +13,7 @@ import torch
 
 from ladle.sampling_params import SamplingParams
 from ladle.runner.block_table import BlockTableBuffer
-from ladle.runner.inputs import StepBatch
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import penalized

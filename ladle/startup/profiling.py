@@ -17,7 +17,7 @@ from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.interface import RoutedExperts
 from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
-from ladle.runner.inputs import ScheduledChunk
+from ladle.runner.step_batch import ScheduledChunk
 from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
 from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
 
