@@ -30,13 +30,13 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * max(batches), ec.device)
     t0 = time.perf_counter()
     graphs = DecodeGraphs(model, caches, ec.block_size, context + 1, max(batches), ec.device,
-                          core.model_executor.runner.backends)
+                          core.model_executor.runner.groups)
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
 
     def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=core.model_executor.runner.backends)
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device, groups=core.model_executor.runner.groups)
         return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
 
     for b in batches:
@@ -68,7 +68,7 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     """Steps with a prefill chunk eager vs replayed from CUDA graphs (ladle.runner.mixed_graphs), on a scratch
     KV pool: `decodes` decodes at `context` beside one `chunk`-token prefill chunk, for each (decodes, chunk);
     step time and how far the graph's hidden states (the sampled rows') are from the eager ones."""
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.backends import TritonAttention, reference_group
     from ladle.runner.inputs import build_step_inputs
     from ladle.runner.step_batch import ScheduledChunk, StepBatch
     from ladle.runner.mixed_graphs import MixedGraphs
@@ -80,9 +80,10 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     seqs = max(d for d, _ in steps) + 1
     caches = allocate_kv_caches(ec.kv_layout, core.hf_config.num_hidden_layers, per_seq * seqs, ec.device)
     # Padding writes to slot -1, which only the Triton kernels skip: the dry run takes them, in the interpreter.
-    backend = core.model_executor.runner.backends[0] if ec.device.type == "cuda" else TritonAttention()
+    groups = (core.model_executor.runner.groups if ec.device.type == "cuda"
+              else (reference_group(backend=TritonAttention()),))
     t0 = time.perf_counter()
-    graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, (backend,))
+    graphs = MixedGraphs(model, caches, ec.block_size, context + most, most, seqs, ec.device, groups)
     if ec.device.type == "cuda":
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
@@ -91,7 +92,7 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
         return list(range(i * per_seq, (i + 1) * per_seq))
 
     def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        inputs = build_step_inputs(chunks, ec.block_size, ec.device, backends=(backend,))
+        inputs = build_step_inputs(chunks, ec.block_size, ec.device, groups=groups)
         return model(inputs.input_ids, inputs.positions, caches, inputs.attn)
 
     for decodes, chunk in steps:

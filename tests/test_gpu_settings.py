@@ -2,6 +2,7 @@
 memory reserve in the plan, and the model runner's decode-graph path (run eagerly on CPU, same padding)."""
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,9 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     runner = llm.engine.core.model_executor.runner
     # The whole CUDA code path but capture: the Triton backend and fused ops, run by the interpreter.
     set_ops(runner.model, TritonOps())
-    runner.backends = (TritonAttention(),)
+    runner.groups = tuple(replace(g, backend=TritonAttention()) for g in runner.groups)
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
-                          runner.device, runner.backends)
+                          runner.device, runner.groups)
     used: list[int] = []
     real_run = graphs.run
 
@@ -146,9 +147,9 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     llm = LLM(path, max_num_batched_tokens=32)
     runner = llm.engine.core.model_executor.runner
     set_ops(runner.model, TritonOps())
-    runner.backends = (TritonAttention(),)
+    runner.groups = tuple(replace(g, backend=TritonAttention()) for g in runner.groups)
     mixed = MixedGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 32,
-                        llm.config.max_num_seqs, runner.device, runner.backends, runner.windows)
+                        llm.config.max_num_seqs, runner.device, runner.groups)
     assert mixed.sizes == (16, 32) and mixed.bucket(17) == 32
     used: list[tuple[int, int]] = []
     real_run = mixed.run
@@ -163,4 +164,44 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     assert got == want
     assert any(t not in mixed.sizes for t, _ in used)  # padded steps
     assert any(n > 1 for _, n in used)  # a chunk beside other requests
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
+
+
+def test_both_graph_classes_serve_a_model_with_two_kv_groups(tmp_path: Path) -> None:
+    """A Qwen3 with layer 0 full and layer 1 windowed keeps two KV groups in one pool: decode-only and mixed
+    steps go through DecodeGraphs and MixedGraphs (eager replay on CPU, Triton's interpreter as above) with
+    each group's own slots, table and window, and the tokens equal the plain path's."""
+    pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
+    from ladle.attention.backends import TritonAttention
+    from ladle.demo import build_checkpoint
+    from ladle.models.ops import TritonOps, set_ops
+
+    path = build_checkpoint(tmp_path / "qwen3sw", "qwen3", vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                            use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                            max_position_embeddings=4096, seed=5)
+    batch = prompts(4, seed=11)
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = LLM(path, max_num_batched_tokens=32)
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
+    llm = LLM(path, max_num_batched_tokens=32)
+    runner = llm.engine.core.model_executor.runner
+    assert [g.window for g in runner.groups] == [None, 6]
+    set_ops(runner.model, TritonOps())
+    runner.groups = tuple(replace(g, backend=TritonAttention()) for g in runner.groups)
+    decode = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 8,
+                          runner.device, runner.groups, runner.buffers)
+    mixed = MixedGraphs(runner.model, runner.kv_caches, runner.block_size, llm.config.max_model_len, 32,
+                        llm.config.max_num_seqs, runner.device, runner.groups, runner.buffers)
+    used = {"decode": 0, "mixed": 0}
+    for name, graphs in (("decode", decode), ("mixed", mixed)):
+        def counting_run(step, *rest, _run=graphs.run, _name=name):
+            used[_name] += 1
+            return _run(step, *rest)
+
+        graphs.run = counting_run
+    runner.graphs, runner.mixed_graphs = decode, mixed
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, short, use_tqdm=False)]
+    assert got == want
+    assert used["decode"] and used["mixed"], used
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks

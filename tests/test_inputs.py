@@ -99,7 +99,8 @@ def test_padded_tokens_form_one_request_that_writes_nothing():
     assert padded.tables[0].shape == (6, 3) and padded.tables[0][2:].sum() == 0  # the padding reads block 0
     assert list(padded.logits_indices) == [2, 3] and padded.sampled_rows == (0, 1)
     with pytest.raises(ValueError, match="padded step cannot carry state"):
+        from ladle.attention.backends import reference_group
         from ladle.runner.inputs import fill_inputs
         from ladle.runner.step_buffers import StepBuffers
 
-        fill_inputs(padded, StepBuffers(torch.device("cpu")), 4, (None,), (None,), num_state_groups=1)
+        fill_inputs(padded, StepBuffers(torch.device("cpu")), 4, (reference_group(),), num_state_groups=1)

@@ -16,6 +16,7 @@ import torch
 
 from ladle.startup.engine_config import EngineConfig
 from ladle.engine.scheduler import Scheduler
+from ladle.kv_cache.specs import paged_group
 from ladle.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from ladle.request import Request, RequestStatus
 from ladle.runner.model_runner import SampledToken
@@ -24,12 +25,12 @@ from ladle.sampling_params import SamplingParams
 BLOCK = 4
 BLOCKS = 48
 SLOTS = 6
-# kind: (windows, compressions, state slots, prefix caching)
+# kind: (paged groups, state slots, prefix caching)
 KINDS = {
-    "full": ((None,), None, 0, True),
-    "sliding": ((None, 8), None, 0, True),
-    "state": ((None,), None, SLOTS, False),
-    "compressed": ((8, None), ((1, 1), (4, 1)), 0, False),
+    "full": ((paged_group(),), 0, True),
+    "sliding": ((paged_group(), paged_group(8)), 0, True),
+    "state": ((paged_group(),), SLOTS, False),
+    "compressed": ((paged_group(8), paged_group(None, (4, 1))), 0, False),
 }
 
 
@@ -69,12 +70,11 @@ def check_invariants(sched: Scheduler, num_slots: int) -> int:
 
 
 def walk(kind: str, seed: int, num_ops: int = 400) -> Counter[str]:
-    windows, compressions, num_slots, caching = KINDS[kind]
+    groups, num_slots, caching = KINDS[kind]
     cfg = EngineConfig(model="m", tokenizer="m", device=torch.device("cpu"), dtype=torch.float32,
                        max_model_len=96, max_num_batched_tokens=24, max_prefill_length=16, max_num_seqs=SLOTS,
                        block_size=BLOCK, num_kv_blocks=BLOCKS, seed=0)
-    kv = KVCacheManager(BLOCKS, BLOCK, enable_caching=caching, windows=windows, num_state_slots=num_slots,
-                        compressions=compressions)
+    kv = KVCacheManager(BLOCKS, BLOCK, enable_caching=caching, groups=groups, num_state_slots=num_slots)
     sched = Scheduler(cfg, kv)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
@@ -120,7 +120,8 @@ def test_random_walk_keeps_the_kv_bookkeeping(kind, seed):
     seen = walk(kind, seed)
     # The walk exercised what it claims to, so a pass means something.
     assert seen["add"] > 50 and seen["abort"] > 5 and seen["preempt"] > 5 and seen["finished"] > 20, seen
-    if KINDS[kind][3]:
+    groups, _, caching = KINDS[kind]
+    if caching:
         assert seen["prefix_hit_tokens"] > 0, seen
-    if any(w is not None for w in KINDS[kind][0]):
+    if any(g.spec.sliding_window is not None for g in groups):
         assert seen["given_back"] > 0, seen

@@ -4,6 +4,7 @@ fused-MoE kernel's SwiGLU clamp is tested in test_triton_moe.py.)"""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from hf_oracle import ladle_tokens  # noqa: E402
 from ladle import LLM, SamplingParams  # noqa: E402
-from ladle.models.ops import TritonOps  # noqa: E402
+from ladle.attention.backends import TritonAttention  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 from test_deepseek_v4 import CSA, HCA, SW, build, prompts_of  # noqa: E402
 
@@ -30,8 +31,8 @@ def test_a_deepseek_v4_model_on_the_triton_path_gives_the_reference_tokens(tmp_p
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(tmp_path), num_kv_blocks=64, max_num_batched_tokens=32, max_prefill_length=13)
     want = ladle_tokens(llm, prompts, params)
-    for layer in llm.engine.core.model_executor.runner.model.layers:
-        layer.attn.ops = TritonOps()
+    runner = llm.engine.core.model_executor.runner
+    runner.groups = tuple(replace(g, backend=TritonAttention()) for g in runner.groups)
     assert ladle_tokens(llm, prompts, params) == want
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from ladle.attention import torch_ref as reference  # noqa: E402
 from ladle.attention import triton_attention as kernels  # noqa: E402
+from ladle.attention.backends import reference_group  # noqa: E402
 from ladle.attention.metadata import AttentionMetadata  # noqa: E402
 from ladle.runner.inputs import build_step_inputs  # noqa: E402
 from ladle.runner.step_batch import ScheduledChunk, StepBatch  # noqa: E402
@@ -57,7 +58,7 @@ class Step:
         self.scale = dim**-0.5
 
     def attn(self, device: torch.device) -> AttentionMetadata:
-        return build_step_inputs(self.chunks, PAGE, device, windows=(self.window,)).attn
+        return build_step_inputs(self.chunks, PAGE, device, groups=(reference_group(self.window),)).attn
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The torch reference in fp32 on the same (already rounded) values: output and the pools after."""
@@ -153,7 +154,8 @@ def run_steps(model: torch.nn.Module, caches: list, steps: list[list[ScheduledCh
     logits = []
     with torch.inference_mode():
         for chunks in steps:
-            inputs = build_step_inputs(chunks, PAGE, device, backends=(backend,) if backend else None)
+            inputs = build_step_inputs(chunks, PAGE, device,
+                                       groups=(reference_group(backend=backend),) if backend else None)
             hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
             logits.append(model.compute_logits(hidden).cpu())
     return logits
@@ -197,7 +199,7 @@ def test_decode_graph_buffers_pad_without_side_effects() -> None:
     want = run_steps(model, caches, [DECODES], backend)[0]
     before = [(k.clone(), v.clone()) for k, v in caches]
     graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE,
-                          backends=(backend,))
+                          groups=(reference_group(backend=backend),))
     if ON_GPU:
         graphs.capture()
     assert graphs.sizes == (1, 2, 4) and graphs.bucket(3) == 4

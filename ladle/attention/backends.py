@@ -1,20 +1,25 @@
 """Attention backends as objects, chosen once at startup for each KV cache group (device x spec).
 
-The runner puts the group's backend in its AttentionMetadata, and the model's attention layers call it; no
-kernel wrapper looks at the tensors' device to decide.
+Each backend builds its group's AttentionMetadata for a step (build_metadata) and puts itself in it, and the
+model's attention layers call it (DeepSeek-V4's through sink_attention); no kernel wrapper or model looks at
+the tensors' device or the ops to decide.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ladle.attention.backend_base import BackendBase
 from ladle.attention.cpu_attention import CpuAttention
 from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.sink_attention import CompressedEntries, sink_attention_triton
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.kv_cache.specs import AttentionSpec
+from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout, paged_group
 
 
-class TorchAttention:
+class TorchAttention(BackendBase):
     """The torch reference (CPU, and the oracle the Triton kernels are tested against): any window."""
 
     name = "torch"
@@ -29,7 +34,7 @@ class TorchAttention:
         return torch_ref.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
 
 
-class TritonAttention:
+class TritonAttention(BackendBase):
     """CUDA: one Triton launch per layer reads the pool through the block tables (no gathered context, no host
     sync; split-KV for small decode batches), full or sliding-window attention."""
 
@@ -43,6 +48,11 @@ class TritonAttention:
         from ladle.attention import triton_attention  # imported here, so CPU installs never need triton
 
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
+
+    def sink_attention(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       window: int, sinks: torch.Tensor, scale: float,
+                       entries: CompressedEntries | None) -> torch.Tensor:
+        return sink_attention_triton(q, pool, positions, attn, window, sinks, scale, entries)
 
 
 AttentionBackend = TorchAttention | TritonAttention | CpuAttention
@@ -82,3 +92,34 @@ def select_backend(device: torch.device, spec: AttentionSpec, name: str | None =
     if name == "cpu" and CpuAttention.supports(spec):
         return CpuAttention(load_cpu_kernels())
     return TorchAttention()
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """One paged KV cache group as the runner serves it: what its layers keep, which layers they are, and the
+    backend chosen for them at startup. The runner, the input builders and the graphs take these."""
+
+    spec: AttentionSpec
+    layers: tuple[int, ...]
+    backend: AttentionBackend
+
+    @property
+    def window(self) -> int | None:
+        return self.spec.sliding_window
+
+    @property
+    def compression(self) -> tuple[int, int]:
+        return self.spec.compression
+
+
+def attention_groups(layout: KVCacheLayout, device: torch.device, name: str | None = None
+                     ) -> tuple[AttentionGroup, ...]:
+    """Each paged group of the layout with its backend (name: resolve_backend's choice)."""
+    return tuple(AttentionGroup(g.spec, g.layers, select_backend(device, g.spec, name)) for g in layout.groups)
+
+
+def reference_group(window: int | None = None, backend: AttentionBackend | None = None) -> AttentionGroup:
+    """A full-attention (or sliding-window) group on the given backend, the torch reference by default: the
+    input builders' default, and tests'."""
+    group = paged_group(window)
+    return AttentionGroup(group.spec, group.layers, backend or TorchAttention())

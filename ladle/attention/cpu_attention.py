@@ -8,9 +8,12 @@ torch, 0.63 ms in C (3.5x; bf16 7.6 ms against 0.63, 12x).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ladle.attention import torch_ref
+from ladle.attention.backend_base import BackendBase, CommonAttentionMetadata
 from ladle.attention.metadata import AttentionMetadata
 from ladle.kernels.cpu_kernels import CpuKernels
 from ladle.kv_cache.specs import AttentionSpec
@@ -18,16 +21,25 @@ from ladle.kv_cache.specs import AttentionSpec
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-class CpuAttention:
+@dataclass(frozen=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    # The step's decode rows as the C kernel reads them (sequences, query rows, tables, lengths), built by the
+    # group's first layer that attends and reused by the rest of the step's layers.
+    decode_plan: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
+
+
+class CpuAttention(BackendBase):
     """Decode rows in C (any window), prefill chunks in torch."""
 
     name = "cpu"
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-        # The step's decode rows as tensors, built by the first layer and reused by the rest (the metadata
-        # object is the step's, so identity says whether it is the same step).
-        self._plan: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def build_metadata(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, window: int | None) -> AttentionMetadata:
+        return CpuAttentionMetadata(slot_mapping, common.cu_seqlens_q, common.context_lens, block_tables,
+                                    common.query_lens, common.context_lens_host, common.block_size, window, self)
 
     @staticmethod
     def supports(spec: AttentionSpec) -> bool:
@@ -41,13 +53,13 @@ class CpuAttention:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                 cu: list[int], decodes: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:
-        if self._plan is None or self._plan[0] is not attn:
-            seqs = torch.tensor([i for i, _ in decodes], dtype=torch.int64)
-            rows = torch.tensor([cu[i] for i, _ in decodes], dtype=torch.int64)
-            tables = attn.block_tables.to(torch.int32).contiguous()
-            lens = attn.context_lens.to(torch.int32).contiguous()
-            self._plan = (attn, seqs, rows, tables, lens)
-        _, seqs, rows, tables, lens = self._plan
+        # Metadata another builder made (a test's, a benchmark's) gets a plan for this call only.
+        plan = attn.decode_plan if isinstance(attn, CpuAttentionMetadata) else []
+        if not plan:
+            plan += [torch.tensor([i for i, _ in decodes], dtype=torch.int64),
+                     torch.tensor([cu[i] for i, _ in decodes], dtype=torch.int64),
+                     attn.block_tables.to(torch.int32).contiguous(), attn.context_lens.to(torch.int32).contiguous()]
+        seqs, rows, tables, lens = plan
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         failed = self.kernels.paged_decode_attention(

@@ -61,7 +61,7 @@ class EngineCore:
         layout = cfg.kv_layout
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                                 windows=layout.windows, num_state_slots=slots, compressions=layout.compressions)
+                                 groups=layout.groups, num_state_slots=slots)
         self.stats = EngineStats()
         self.scheduler = Scheduler(cfg, self.kv, self.stats)
         self.model_executor.capture_graphs()

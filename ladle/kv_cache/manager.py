@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ladle.kv_cache.block_pool import ROOT_CACHE_ID, BlockHash, BlockPool, BlockTokens
-from ladle.kv_cache.specs import blocks_held
+from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
 
 if TYPE_CHECKING:
     from ladle.request import Request
@@ -52,17 +52,18 @@ class _GroupTables:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
-                 compressions: Sequence[tuple[int, int]] | None = None) -> None:
-        """num_state_slots: for a model with state layers, the slots its state tensors hold (one per running
-        request); a request takes one at admission and gives it back when freed. compressions: each group's
-        (tokens per entry, block scale), (1, 1) for all when not given (KVCacheLayout.compressions)."""
+                 groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0) -> None:
+        """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
+        specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
+        its state tensors hold (one per running request); a request takes one at admission and gives it back
+        when freed."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.groups = [_GroupTables(w, c) for w, c in zip(windows, compressions or [(1, 1)] * len(windows))]
+        specs = [g.spec for g in (groups or (paged_group(),))]
+        self.groups = [_GroupTables(s.sliding_window, s.compression) for s in specs]
         self.tables = tuple(g.tables for g in self.groups)
-        self.has_sliding_window = any(w is not None for w in windows)
+        self.has_sliding_window = any(s.sliding_window is not None for s in specs)
         if enable_caching and any(g.compression != (1, 1) for g in self.groups):
             raise ValueError("prefix caching cannot serve compressed KV groups (their blocks hold entries, not "
                              "tokens)")

@@ -97,6 +97,14 @@ class KVCacheGroup:
     layers: tuple[int, ...]
 
 
+def paged_group(window: int | None = None, compression: tuple[int, int] = (1, 1),
+                layers: tuple[int, ...] = (0,)) -> KVCacheGroup:
+    """A group of one-head fp32 layers: what the KV manager and the input builders need where only the window
+    and the compression matter (their defaults, and tests)."""
+    return KVCacheGroup(AttentionSpec(1, 1, torch.float32, window, compress_rate=compression[0],
+                                      block_scale=compression[1]), layers)
+
+
 @dataclass(frozen=True)
 class StateGroup:
     spec: StateSpec

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ladle.attention.backends import AttentionBackend
+from ladle.attention.backends import AttentionGroup
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
@@ -50,18 +50,18 @@ def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, poo
 class DecodeGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
-        max_model_len: int, max_batch: int, device: torch.device, backends: tuple[AttentionBackend, ...],
-        windows: tuple[int | None, ...] = (None,), buffers: StepBuffers | None = None,
+        max_model_len: int, max_batch: int, device: torch.device, groups: tuple[AttentionGroup, ...],
+        buffers: StepBuffers | None = None,
     ) -> None:
-        """backends, windows: each KV cache group's, as the runner holds them; buffers: the runner's (a set of
-        its own if None), where the static inputs live."""
+        """groups: the runner's paged KV cache groups with their backends; buffers: the runner's (a set of its
+        own if None), where the static inputs live."""
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
-        self.backends, self.windows = backends, windows
-        self.compressions = ((1, 1),) * len(windows)
+        self.groups = groups
+        self.compressions = tuple(g.compression for g in groups)
         self.sizes = tuple(b for b in BATCH_SIZES if b < max_batch) + (max_batch,)
         self.width = -(-max_model_len // block_size)
         self.buffers = buffers or StepBuffers(device)
-        reserve_inputs(self.buffers, _PREFIX, max_batch, max_batch, self.width, len(windows))
+        reserve_inputs(self.buffers, _PREFIX, max_batch, max_batch, self.width, len(groups))
         self.graphs: dict[int, Captured] = {}
 
     @property
@@ -77,7 +77,7 @@ class DecodeGraphs:
                 and max(batch.start_pos) < self.width * self.block_size)
 
     def _fill(self, layout: StepLayout, rows: int) -> StepInputs:
-        return fill_inputs(pad_decodes(layout, rows), self.buffers, self.block_size, self.windows, self.backends,
+        return fill_inputs(pad_decodes(layout, rows), self.buffers, self.block_size, self.groups,
                            prefix=_PREFIX)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -90,7 +90,7 @@ class DecodeGraphs:
         returns the pool. Each capture's inputs are padding only (slot -1, context 0): it writes no KV and
         reads none."""
         for n in sorted(self.sizes, reverse=True):
-            inputs = self._fill(empty_layout(len(self.windows)), n)
+            inputs = self._fill(empty_layout(len(self.groups)), n)
             self.graphs[n] = capture_graph(lambda: self._forward(inputs), self.device, pool)
             pool = self.graphs[n].graph.pool()
         torch.cuda.synchronize(self.device)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.attention.backends import AttentionBackend, TorchAttention
+from ladle.attention.backend_base import CommonAttentionMetadata
+from ladle.attention.backends import AttentionGroup, reference_group
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.runner.step_batch import ScheduledChunk, StepBatch
 from ladle.runner.step_buffers import StepBuffers
@@ -36,55 +37,49 @@ class StepInputs:
 
 def build_step_inputs(
     batch: StepBatch | list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
-    block_tables: tuple[torch.Tensor, ...] | None = None, windows: tuple[int | None, ...] = (None,),
-    backends: tuple[AttentionBackend, ...] | None = None, num_state_groups: int = 0,
-    compressions: tuple[tuple[int, int], ...] | None = None, buffers: StepBuffers | None = None,
+    block_tables: tuple[torch.Tensor, ...] | None = None, groups: tuple[AttentionGroup, ...] | None = None,
+    num_state_groups: int = 0, buffers: StepBuffers | None = None,
 ) -> StepInputs:
     """block_tables: the step's [requests, >= blocks needed] int32 host table per group, when the caller keeps
     the tables itself (ladle.runner.block_table); otherwise they are built from the block id lists.
-    windows: each group's sliding window (None: full attention); backends: each group's attention backend,
-    chosen at startup (the torch reference when not given). num_state_groups: the model's state groups, which
-    all get the same StateMetadata (a request has one slot index in every state layer). compressions: each
-    group's (tokens per entry, block scale) (ladle.kv_cache.specs); a compressed group's entries are written by
-    the model, so it gets no slot mapping. buffers: where the inputs go on the device (a fresh set if None)."""
+    groups: the paged KV cache groups with their backends (one full-attention group on the torch reference if
+    None); a compressed group's entries are written by the model, so it gets no slot mapping.
+    num_state_groups: the model's state groups, which all get the same StateMetadata (a request has one slot
+    index in every state layer). buffers: where the inputs go on the device (a fresh set if None)."""
     if not isinstance(batch, StepBatch):
         batch = StepBatch.of(batch)
     buffers = buffers or StepBuffers(torch.device(device))
-    backends = backends or tuple(TorchAttention() for _ in windows)
-    compressions = compressions or tuple((1, 1) for _ in windows)
+    groups = groups or (reference_group(),)
     n, num_tokens = len(batch), len(batch.token_ids)
     if not n or min(batch.num_tokens) < 1:
         raise ValueError("a step needs at least one chunk, and every chunk at least one token")
     if num_tokens != sum(batch.num_tokens):
         raise ValueError(f"{num_tokens} token ids for chunks of {sum(batch.num_tokens)} tokens")
-    if any(len(t) != len(windows) for t in batch.block_ids):
-        raise ValueError(f"every chunk needs a block table for each of the {len(windows)} groups")
-    layout = lay_out(batch, block_size, compressions, block_tables)
-    return fill_inputs(layout, buffers, block_size, windows, backends, num_state_groups)
+    if any(len(t) != len(groups) for t in batch.block_ids):
+        raise ValueError(f"every chunk needs a block table for each of the {len(groups)} groups")
+    layout = lay_out(batch, block_size, tuple(g.compression for g in groups), block_tables)
+    return fill_inputs(layout, buffers, block_size, groups, num_state_groups)
 
 
-def fill_inputs(layout: StepLayout, buffers: StepBuffers, block_size: int, windows: tuple[int | None, ...],
-                backends: tuple[AttentionBackend, ...], num_state_groups: int = 0, prefix: str = "") -> StepInputs:
+def fill_inputs(layout: StepLayout, buffers: StepBuffers, block_size: int, groups: tuple[AttentionGroup, ...],
+                num_state_groups: int = 0, prefix: str = "") -> StepInputs:
     """The layout put into buffers (names under prefix: a graph's static buffers, reserved by
-    reserve_inputs) and the metadata each group's backend reads."""
+    reserve_inputs), and each group's metadata as its backend builds it."""
     buffers.begin()
-    cu_t = buffers.put(prefix + "cu_seqlens", layout.cu, torch.int32)
-    context_t = buffers.put(prefix + "context_lens", layout.context, torch.int32)
-    context_host = tuple(layout.context if isinstance(layout.context, list) else layout.context.tolist())
-    groups: list[AttentionMetadata | StateMetadata] = []
-    for g, window in enumerate(windows):
-        groups.append(AttentionMetadata(
-            slot_mapping=buffers.put(f"{prefix}slots{g}", layout.slots[g], torch.int64), cu_seqlens_q=cu_t,
-            context_lens=context_t, block_tables=buffers.put(f"{prefix}tables{g}", layout.tables[g], torch.int32),
-            query_lens=layout.query_lens, context_lens_host=context_host, block_size=block_size,
-            sliding_window=window, backend=backends[g],
-        ))
+    common = CommonAttentionMetadata(
+        buffers.put(prefix + "cu_seqlens", layout.cu, torch.int32),
+        buffers.put(prefix + "context_lens", layout.context, torch.int32), layout.query_lens,
+        tuple(layout.context if isinstance(layout.context, list) else layout.context.tolist()), block_size)
+    metadata: list[AttentionMetadata | StateMetadata] = [
+        g.backend.build_metadata(common, buffers.put(f"{prefix}slots{i}", layout.slots[i], torch.int64),
+                                 buffers.put(f"{prefix}tables{i}", layout.tables[i], torch.int32), g.window)
+        for i, g in enumerate(groups)]
     if num_state_groups:
-        groups += [_state_metadata(layout, buffers)] * num_state_groups
+        metadata += [_state_metadata(layout, buffers)] * num_state_groups
     inputs = StepInputs(
         input_ids=buffers.put(prefix + "input_ids", layout.token_ids, torch.int64),
         positions=buffers.put(prefix + "positions", layout.positions, torch.int64),
-        attn_groups=tuple(groups),
+        attn_groups=tuple(metadata),
         logits_indices=buffers.put(prefix + "logits_indices", layout.logits_indices, torch.int64),
         sampled_rows=layout.sampled_rows,
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ladle.attention.backends import AttentionBackend
+from ladle.attention.backends import AttentionGroup
 from ladle.runner.cuda_graphs import Captured, capture_graph
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
@@ -33,19 +33,18 @@ class MixedGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
         max_model_len: int, max_tokens: int, max_num_seqs: int, device: torch.device,
-        backends: tuple[AttentionBackend, ...], windows: tuple[int | None, ...] = (None,),
-        buffers: StepBuffers | None = None,
+        groups: tuple[AttentionGroup, ...], buffers: StepBuffers | None = None,
     ) -> None:
-        """backends, windows: each KV cache group's, as the runner holds them; buffers: the runner's (a set of
-        its own if None), where the static inputs live."""
+        """groups: the runner's paged KV cache groups with their backends; buffers: the runner's (a set of its
+        own if None), where the static inputs live."""
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
-        self.backends, self.windows = backends, windows
-        self.compressions = ((1, 1),) * len(windows)
+        self.groups = groups
+        self.compressions = tuple(g.compression for g in groups)
         self.sizes = tuple(t for t in TOKEN_SIZES if t < max_tokens) + (max_tokens,)
         self.max_requests = max_num_seqs + 1  # and one for the padding tokens
         self.width = -(-max_model_len // block_size)
         self.buffers = buffers or StepBuffers(device)
-        reserve_inputs(self.buffers, _PREFIX, max_tokens, self.requests_for(max_tokens), self.width, len(windows))
+        reserve_inputs(self.buffers, _PREFIX, max_tokens, self.requests_for(max_tokens), self.width, len(groups))
         self.graphs: dict[int, Captured] = {}
 
     def requests_for(self, tokens: int) -> int:
@@ -63,7 +62,7 @@ class MixedGraphs:
 
     def _fill(self, layout: StepLayout, size: int) -> StepInputs:
         padded = pad_tokens(layout, size, self.requests_for(size), self.block_size)
-        return fill_inputs(padded, self.buffers, self.block_size, self.windows, self.backends, prefix=_PREFIX)
+        return fill_inputs(padded, self.buffers, self.block_size, self.groups, prefix=_PREFIX)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_groups)
@@ -74,7 +73,7 @@ class MixedGraphs:
         padding alone, one request of the whole size (so the prefill kernel's tiles): it writes no KV and
         reads block 0."""
         for b in sorted(self.sizes, reverse=True):
-            inputs = self._fill(empty_layout(len(self.windows)), b)
+            inputs = self._fill(empty_layout(len(self.groups)), b)
             self.graphs[b] = capture_graph(lambda: self._forward(inputs), self.device, pool)
             pool = self.graphs[b].graph.pool()
         torch.cuda.synchronize(self.device)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ladle.attention.backends import AttentionBackend, select_backend
-from ladle.kv_cache.specs import AttentionSpec, KVCacheLayout
+from ladle.attention.backends import AttentionGroup, reference_group, select_backend
+from ladle.kv_cache.specs import KVCacheLayout, StateGroup, paged_group
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.cuda_graphs import DecodeGraphs
@@ -82,28 +82,24 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
-        windows: tuple[int | None, ...] = (None,), backends: tuple[AttentionBackend, ...] | None = None,
-        state_groups: tuple[tuple[int, ...], ...] = (), compressions: tuple[tuple[int, int], ...] | None = None,
+        groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
         max_num_seqs: int = 256, seed: int = 0,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
-        state_groups: the layers of each state group (models with StateSpec layers); compressions: each
-        paged group's (tokens per entry, block scale), KVCacheLayout.compressions; max_num_seqs: requests
-        sampled at once at most (rows of the penalty counts); seed: the engine's seed, which the draws of
-        rows without a seed of their own come from (a host generator of the runner's, not torch's global)."""
-        self.compressions = compressions
+        groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
+        full-attention group if None); state_groups: the layout's state groups (models with StateSpec layers);
+        max_num_seqs: requests sampled at once at most (rows of the penalty counts); seed: the engine's seed,
+        which the draws of rows without a seed of their own come from (a host generator of the runner's, not
+        torch's global)."""
         self.model = model
         self.num_state_groups = len(state_groups)
-        self.state_layers = tuple(layer for group in state_groups for layer in group)
+        self.state_layers = tuple(layer for group in state_groups for layer in group.layers)
         # Set once a forward has begun: from then on its state layers may have advanced their requests' state.
         self.state_touched = False
         self.kv_caches = kv_caches  # one (K, V) pair per layer
         self.block_size = block_size
         self.device = device
-        self.windows = windows  # each KV cache group's sliding window (None: full attention)
-        # Each group's attention backend, chosen once at startup (ladle.attention.backends.select_backend).
-        self.backends = backends or tuple(select_backend(device, AttentionSpec(1, 1, torch.float32, w))
-                                          for w in windows)
+        self.groups = groups or (reference_group(backend=select_backend(device, paged_group().spec)),)
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # decode-only steps
@@ -126,11 +122,11 @@ class ModelRunner:
         pool = None
         if mixed_tokens:  # the larger steps first: the decode graphs then reuse their pool's blocks
             mixed = MixedGraphs(self.model, self.kv_caches, self.block_size, max_model_len, mixed_tokens,
-                                max_num_seqs, self.device, self.backends, self.windows, self.buffers)
+                                max_num_seqs, self.device, self.groups, self.buffers)
             pool = mixed.capture()
             self.mixed_graphs = mixed
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_batch, self.device,
-                              self.backends, self.windows, self.buffers)
+                              self.groups, self.buffers)
         graphs.capture(pool)
         self.graphs = graphs
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
@@ -213,8 +209,8 @@ class ModelRunner:
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
             hidden, inputs = self.mixed_graphs.run(step, block_tables)
         else:
-            inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.windows,
-                                       self.backends, self.num_state_groups, self.compressions, self.buffers)
+            inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.groups,
+                                       self.num_state_groups, self.buffers)
             ids = inputs.input_ids if input_ids is None else input_ids
             self.state_touched = self.num_state_groups > 0
             hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)

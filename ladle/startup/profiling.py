@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ladle.attention.backends import select_backend
+from ladle.attention.backends import attention_groups
 from ladle.startup.memory import measure_peak
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.interface import RoutedExperts
@@ -151,10 +151,8 @@ def _measure(
     num_layers = layout.num_layers
     # A state slot per decode row (prefills use slot 0), as the engine's one slot per running request.
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
-    runner = ModelRunner(model, caches, block_size, device, windows=layout.windows,
-                         backends=tuple(select_backend(device, g.spec, attention_backend) for g in layout.groups),
-                         state_groups=tuple(g.layers for g in layout.state_groups),
-                         compressions=layout.compressions)
+    runner = ModelRunner(model, caches, block_size, device,
+                         groups=attention_groups(layout, device, attention_backend), state_groups=layout.state_groups)
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:

@@ -21,7 +21,7 @@ from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
 from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
 from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
-from ladle.attention.backends import resolve_backend, select_backend
+from ladle.attention.backends import attention_groups, resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
@@ -124,10 +124,9 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
     # Room for every running request, and as many again for preempted ones coming back; one per group.
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
-    backends = tuple(select_backend(cfg.device, g.spec, cfg.attention_backend) for g in layout.groups)
-    return runner_cls(model, caches, cfg.block_size, cfg.device, tables, layout.windows, backends,
-                      tuple(g.layers for g in layout.state_groups), layout.compressions, cfg.max_num_seqs,
-                      cfg.seed, **extra)
+    groups = attention_groups(layout, cfg.device, cfg.attention_backend)
+    return runner_cls(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
+                      cfg.max_num_seqs, cfg.seed, **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -189,9 +188,9 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
         graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
-    if len(layout.groups) > 1 and graph_batch:
-        graph_batch = _graph_limit(prov, graph_batch, f"{len(layout.groups)} KV cache groups (full and "
-                                   "sliding-window layers): the graphs hold one group's inputs")
+    if any(g.spec.compress_rate > 1 for g in layout.groups) and graph_batch:
+        graph_batch = _graph_limit(prov, graph_batch, "compressed KV groups: the model builds their entries "
+                                   "request by request from host copies, which a graph cannot replay")
     async_scheduling = bool(args.async_scheduling)
     if tp.world_size > 1:
         graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
