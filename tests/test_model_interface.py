@@ -41,3 +41,25 @@ def test_moe_layers_are_routed_experts_and_start_with_their_own_routing():
         assert issubclass(cls, RoutedExperts)
     assert RoutedExperts().force_worst_routing is False
 
+
+
+def test_set_ops_reaches_every_module_that_runs_ops():
+    """The loader's set_ops finds its modules by type (OpsModule): every norm, attention and expert layer of a
+    Qwen3-MoE gets the ops it is given, and no module holds ops that set_ops would pass over."""
+    import torch
+    from transformers import Qwen3MoeConfig
+
+    from ladle.models.ops import OpsModule, TorchOps, set_ops
+    from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    given = TorchOps()
+    set_ops(model, given)
+    users = [m for m in model.modules() if isinstance(m, OpsModule)]
+    assert {"RMSNorm", "Attention", "FusedMoE"} <= {type(m).__name__ for m in users}
+    assert all(m.ops is given for m in users)
+    assert not [m for m in model.modules() if "ops" in vars(m) and not isinstance(m, OpsModule)]

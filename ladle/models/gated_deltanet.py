@@ -17,7 +17,7 @@ from torch import nn
 from ladle.attention.metadata import StateMetadata
 from ladle.kv_cache.specs import StateSpec
 from ladle.models.layers import StackedLinear
-from ladle.models.ops import ModelOps, TorchOps
+from ladle.models.ops import OpsModule
 
 def state_spec(config: Any, dtype: torch.dtype) -> StateSpec:
     """A layer's state: the conv window in the model dtype (it holds projected inputs) and the recurrent state
@@ -44,7 +44,7 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * h.to(dtype)) * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(OpsModule):
     """The linear-attention mixer; checkpoint names follow HF (`linear_attn.in_proj_qkv`, `.conv1d`, ...)."""
 
     def __init__(self, config: Any) -> None:
@@ -67,7 +67,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
-        self.ops: ModelOps = TorchOps()
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; state: this layer's (conv [slots, C, K-1], recurrent [slots, H, Dk, Dv])."""

@@ -8,18 +8,17 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
-from ladle.models.ops import ModelOps, TorchOps, apply_rotary  # noqa: F401 -- apply_rotary: for importers
+from ladle.models.ops import OpsModule, apply_rotary  # noqa: F401 -- apply_rotary: for importers
 
 # Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpsModule):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops: ModelOps = TorchOps()  # the loader sets the device's ops (ladle.models.ops.set_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
@@ -109,7 +108,7 @@ class StackedLinear(nn.Linear):
         return views
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(OpsModule):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -118,14 +117,13 @@ class GatedMLP(nn.Module):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.ops: ModelOps = TorchOps()
         self.tp: TensorParallel = SINGLE  # down_proj is row-parallel when sharded (ladle.models.tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
-class Attention(nn.Module):
+class Attention(OpsModule):
     """Self-attention with GQA, optional per-head q/k RMSNorm (Qwen3), over the paged KV cache."""
 
     def __init__(self, config: Any, qk_norm: bool) -> None:
@@ -143,7 +141,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.ops: ModelOps = TorchOps()
         self.tp: TensorParallel = SINGLE  # o_proj is row-parallel when sharded (ladle.models.tensor_parallel)
 
     def forward(

@@ -14,7 +14,7 @@ from torch import nn
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
-from ladle.models.ops import ModelOps, TorchOps
+from ladle.models.ops import OpsModule
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     return weights.to(dtype), ids
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(OpsModule):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  swiglu_limit: float | None = None) -> None:
@@ -40,7 +40,6 @@ class FusedMoE(nn.Module):
         self.names, self.swiglu_limit = names, swiglu_limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.ops: ModelOps = TorchOps()  # grouped torch matmuls, or the Triton grouped GEMMs on CUDA
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""

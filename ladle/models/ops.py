@@ -1,6 +1,6 @@
 """The model's non-attention ops as one object, chosen once when the model is loaded: the torch versions (the
-HF-exact oracle, on CPU) or the fused Triton kernels (CUDA). Modules that use them hold an `ops` attribute,
-which set_ops fills in; nothing looks at a tensor's device to decide.
+HF-exact oracle, on CPU) or the fused Triton kernels (CUDA). Modules that use them are OpsModules, whose
+`ops` set_ops fills in; nothing looks at a tensor's device to decide.
 """
 from __future__ import annotations
 
@@ -140,9 +140,17 @@ class TritonOps:
 ModelOps = TorchOps | TritonOps
 
 
+class OpsModule(nn.Module):
+    """A module whose kernels come from the model's ops object: TorchOps until set_ops gives it the device's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: ModelOps = TorchOps()
+
+
 def set_ops(model: nn.Module, ops: ModelOps) -> nn.Module:
     """Give every module of the model that uses ops these ones; returns the model."""
     for module in model.modules():
-        if hasattr(module, "ops"):
+        if isinstance(module, OpsModule):
             module.ops = ops
     return model
