@@ -73,7 +73,8 @@ def worker(batches: list[int], context: int, vocab: int, kinds: list[str], steps
                                                     load_format="dummy")
             core = EngineCore(args, explicit)
             logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 4
-            model = core.model_executor.runner.model
+            # (the runner sits behind the executor seam since the layered package; before it, on the core)
+            model = getattr(core, "model_executor", core).runner.model
             model.forward = lambda ids, *_: torch.zeros(ids.shape[0], 64)
             model.compute_logits = lambda hidden: logits[: hidden.shape[0]]
             for kind in kinds:

@@ -217,12 +217,13 @@ class KVCacheManager:
             return
         rid = request.request_id
         end = num_computed_tokens // self.block_size
-        keys = self._block_tokens(request, end)
+        keys: list[BlockTokens] | None = None  # made only on a step that fills a block (most fill none)
         for gi, g in enumerate(self.groups):
             table = g.tables.get(rid)
             start = g.num_cached_block.get(rid, 0)
             if table is None or end <= start:
                 continue
+            keys = keys or self._block_tokens(request, end)
             parent = g.last_cache_id.get(rid, ROOT_CACHE_ID)
             for i in range(start, end):
                 if table[i] == NULL_BLOCK:
