@@ -47,6 +47,20 @@ def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device, poo
     return Captured(graph, output)
 
 
+def capture_sizes(sizes: tuple[int, ...], inputs_for: Callable[[int], StepInputs],
+                  forward: Callable[[StepInputs], torch.Tensor], device: torch.device,
+                  pool: Any = None) -> tuple[dict[int, Captured], Any]:
+    """forward over inputs_for(size) captured for every size, largest first, into one memory pool (smaller
+    graphs reuse its blocks); returns the graphs and the pool."""
+    graphs: dict[int, Captured] = {}
+    for size in sorted(sizes, reverse=True):
+        inputs = inputs_for(size)
+        graphs[size] = capture_graph(lambda: forward(inputs), device, pool)
+        pool = graphs[size].graph.pool()
+    torch.cuda.synchronize(device)
+    return graphs, pool
+
+
 class DecodeGraphs:
     def __init__(
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
@@ -86,14 +100,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
-        """Capture every batch size, largest first, into one memory pool (smaller graphs reuse its blocks);
-        returns the pool. Each capture's inputs are padding only (slot -1, context 0): it writes no KV and
-        reads none."""
-        for n in sorted(self.sizes, reverse=True):
-            inputs = self._fill(empty_layout(len(self.groups)), n)
-            self.graphs[n] = capture_graph(lambda: self._forward(inputs), self.device, pool)
-            pool = self.graphs[n].graph.pool()
-        torch.cuda.synchronize(self.device)
+        """Capture every batch size into one memory pool; returns the pool. Each capture's inputs are padding
+        only (slot -1, context 0): it writes no KV and reads none."""
+        empty = empty_layout(len(self.groups))
+        self.graphs, pool = capture_sizes(self.sizes, lambda n: self._fill(empty, n), self._forward, self.device,
+                                          pool)
         return pool
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ladle.attention.backends import AttentionGroup
-from ladle.runner.cuda_graphs import Captured, capture_graph
+from ladle.runner.cuda_graphs import Captured, capture_sizes
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
@@ -69,14 +69,11 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
-        """Capture every size, largest first, into one memory pool; returns the pool. Each capture's step is
-        padding alone, one request of the whole size (so the prefill kernel's tiles): it writes no KV and
-        reads block 0."""
-        for b in sorted(self.sizes, reverse=True):
-            inputs = self._fill(empty_layout(len(self.groups)), b)
-            self.graphs[b] = capture_graph(lambda: self._forward(inputs), self.device, pool)
-            pool = self.graphs[b].graph.pool()
-        torch.cuda.synchronize(self.device)
+        """Capture every size into one memory pool; returns the pool. Each capture's step is padding alone, one
+        request of the whole size (so the prefill kernel's tiles): it writes no KV and reads block 0."""
+        empty = empty_layout(len(self.groups))
+        self.graphs, pool = capture_sizes(self.sizes, lambda b: self._fill(empty, b), self._forward, self.device,
+                                          pool)
         return pool
 
     @torch.inference_mode()
