@@ -49,6 +49,10 @@ class EngineArgs:
     memory_budget: int | str | None = None  # cap on all ladle may use (weights, KV, activations), e.g. "8GiB"
     gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory (vLLM semantics)
     enable_prefix_caching: bool = True
+    # Models with per-request state: checkpoints prefix hits resume from (default derived from memory), and
+    # tokens between them while a request prefills (default: the chunk cap, in whole blocks).
+    num_state_checkpoints: int | None = None
+    state_checkpoint_interval: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every step eager (vLLM semantics)
     max_cudagraph_capture_size: int | None = None  # largest step (tokens) replayed from a graph; default 512
     cudagraph_mode: str | None = None  # FULL | FULL_DECODE_ONLY (CUDA); default FULL
@@ -80,13 +84,18 @@ class EngineArgs:
         directory), so a typo costs the time of an import, not of loading and profiling."""
         for name in ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks",
                      "max_cudagraph_capture_size", "max_num_partial_prefills", "max_long_partial_prefills",
-                     "long_prefill_token_threshold", "num_threads", "tensor_parallel_size"):
+                     "long_prefill_token_threshold", "num_threads", "tensor_parallel_size",
+                     "num_state_checkpoints", "state_checkpoint_interval"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         positive_int("max_num_seqs", self.max_num_seqs)
         if isinstance(self.reserved_cpus, bool) or not isinstance(self.reserved_cpus, int) or self.reserved_cpus < 0:
             raise ValueError(f"reserved_cpus must be an integer >= 0, got {self.reserved_cpus!r}")
         positive_int("block_size", self.block_size)
+        interval = self.state_checkpoint_interval
+        if interval is not None and interval % self.block_size:
+            raise ValueError(f"state_checkpoint_interval={interval} is not a multiple of block_size="
+                             f"{self.block_size}: a prefix hit resumes only on a block boundary")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} is not an integer")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):

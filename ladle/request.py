@@ -55,6 +55,8 @@ class Request:
     # The prefix cache's keys of the full blocks seen so far (kv_cache.manager), made once per block.
     block_tokens: list = field(default_factory=list)
     prefill_chunks: list[int] = field(default_factory=list)  # the sizes of the prefill chunks run, in order
+    # Token positions where the frontend saw a message end: state checkpoints go there (rounded to a block).
+    checkpoint_marks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,7 +13,7 @@ from hf_oracle import hf_greedy
 from ladle import LLM, SamplingParams
 from ladle.startup.engine_config import EngineConfig
 from ladle.demo import build_checkpoint
-from ladle.kv_cache import block_pool
+from ladle.kv_cache import prefix_tree
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.frontend.llm_engine import LLMEngine
 from ladle.engine.scheduler import Scheduler
@@ -32,10 +32,10 @@ def request(rid: str, token_ids: list[int]) -> Request:
 
 def admit(kv: KVCacheManager, req: Request) -> int:
     """Admission as the scheduler does it, then a full prefill; returns the hit tokens."""
-    blocks, hit = kv.get_computed_blocks(req)
-    assert kv.allocate(req.request_id, req.num_tokens, blocks)
+    hit = kv.get_computed_blocks(req)
+    assert kv.admit(req.request_id, req.num_tokens, req.num_tokens, req.num_tokens, hit)
     kv.cache_full_blocks(req, req.num_tokens)
-    return hit
+    return hit.num_tokens
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -55,13 +55,13 @@ def test_hit_takes_leading_full_blocks_and_leaves_the_last_token():
     assert admit(kv, a) == 0
     kv.free("a")
     assert kv.num_free_blocks == 16 and kv.pool.num_cached == 2  # freed, still cached
-    assert kv.get_computed_blocks(request("b", list(range(1, 9)) + [99] * 4))[1] == 8
-    assert kv.get_computed_blocks(request("c", [1, 2, 3, 4, 9, 9, 9, 9]))[1] == 4  # second block differs
-    assert kv.get_computed_blocks(request("d", [0] + list(range(2, 11))))[1] == 0  # first block differs
+    assert kv.get_computed_blocks(request("b", list(range(1, 9)) + [99] * 4)).num_tokens == 8
+    assert kv.get_computed_blocks(request("c", [1, 2, 3, 4, 9, 9, 9, 9])).num_tokens == 4  # second block differs
+    assert kv.get_computed_blocks(request("d", [0] + list(range(2, 11)))).num_tokens == 0  # first block differs
     # Block-aligned and fully cached: capped at (8 - 1) // 4 blocks, so the last block is recomputed into a
     # block of the request's own and the shared one is never written.
-    assert kv.get_computed_blocks(request("e", range(1, 9)))[1] == 4
-    assert KVCacheManager(16, 4, enable_caching=False).get_computed_blocks(request("f", range(1, 9))) == (([],), 0)
+    assert kv.get_computed_blocks(request("e", range(1, 9))).num_tokens == 4
+    assert KVCacheManager(16, 4, enable_caching=False).get_computed_blocks(request("f", range(1, 9))).num_tokens == 0
 
 
 def test_admission_counts_cached_blocks():
@@ -69,7 +69,7 @@ def test_admission_counts_cached_blocks():
     a = request("a", range(1, 33))  # 8 blocks, still running
     admit(kv, a)
     b = request("b", list(range(1, 33)) + [7] * 4)  # needs 9 blocks; 8 are a's, shared
-    blocks, hit = kv.get_computed_blocks(b)
+    blocks, hit = kv.get_computed_blocks(b)[:2]
     assert hit == 32 and kv.num_free_blocks == 2
     assert kv.num_blocks_to_allocate("b", b.num_tokens, blocks) == 1
     assert kv.allocate("b", b.num_tokens, blocks)
@@ -85,21 +85,21 @@ def test_cached_free_blocks_cost_a_free_slot_and_are_evicted_lru_tail_first():
     a = request("a", range(1, 17))  # 4 blocks
     admit(kv, a)
     kv.free("a")
-    blocks, _ = kv.get_computed_blocks(request("x", list(range(1, 17)) + [5]))
+    blocks = kv.get_computed_blocks(request("x", list(range(1, 17)) + [5])).blocks
     assert len(blocks[0]) == 4 and kv.num_blocks_to_allocate("x", 17, blocks) == 5  # 1 new + 4 out of the queue
     admit(kv, request("c", [400 + i for i in range(12)]))  # 3 blocks: 2 never used, then a's tail block
     assert kv.pool.num_evictions == 1
-    assert kv.get_computed_blocks(request("a2", list(range(1, 17)) + [5]))[1] == 12  # a's head survives
+    assert kv.get_computed_blocks(request("a2", list(range(1, 17)) + [5])).num_tokens == 12  # a's head survives
 
 
 def test_constant_hash_never_serves_another_prefix(monkeypatch):
-    monkeypatch.setattr(block_pool, "hash_block_tokens", lambda *key: 0)
+    monkeypatch.setattr(prefix_tree, "hash_block_tokens", lambda *key: 0)
     kv = KVCacheManager(16, 4)
     shared = [5, 6, 7, 8, 9, 10, 11, 12]
     admit(kv, request("a", [1] * 4 + shared + [0]))
     # Same tokens in blocks 1 and 2 but another first block: same hash everywhere, and no hit.
-    assert kv.get_computed_blocks(request("b", [2] * 4 + shared + [0]))[1] == 0
-    assert kv.get_computed_blocks(request("c", [1] * 4 + shared[:4] + [0] * 5))[1] == 8
+    assert kv.get_computed_blocks(request("b", [2] * 4 + shared + [0])).num_tokens == 0
+    assert kv.get_computed_blocks(request("c", [1] * 4 + shared[:4] + [0] * 5)).num_tokens == 8
 
 
 # --- end to end --------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def test_block_aligned_full_hit_never_writes_the_shared_block(tiny_qwen3_dir, hf
     prompt = rand_ids(64, seed=60)  # exactly 4 blocks
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    cached = sorted(core.kv.pool.cached_block_hash_to_block.values())
+    cached = sorted(core.kv.pool.cached_blocks.values())
     assert len(cached) == 4
     before = [(k[cached].clone(), v[cached].clone()) for k, v in core.model_executor.runner.kv_caches]
     with caplog.at_level(logging.DEBUG, logger="ladle.scheduler"):
@@ -222,7 +222,7 @@ def test_n_siblings_share_the_prompt_blocks(chunked, hf_qwen3):
 
 
 def test_hash_collisions_cannot_serve_wrong_kv(tiny_qwen3_dir, hf_qwen3, monkeypatch):
-    monkeypatch.setattr(block_pool, "hash_block_tokens", lambda *key: 0)  # every block collides
+    monkeypatch.setattr(prefix_tree, "hash_block_tokens", lambda *key: 0)  # every block collides
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
     shared = rand_ids(48, seed=80)
     a = rand_ids(16, seed=81) + shared + [3]

@@ -83,16 +83,18 @@ def test_greedy_equals_hf_under_preemption(case):
     assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9)
 
 
-def test_prefix_caching_and_graphs_are_derived_off_with_the_reason(case):
+def test_prefix_caching_keeps_state_checkpoints_and_graphs_are_derived_off(case):
     path = case[0]
-    llm = LLM(path, num_kv_blocks=64)
+    llm = LLM(path, num_kv_blocks=64, max_num_seqs=8)
     settings = llm.engine.core.config.settings
-    cache = settings["enable_prefix_caching"]
-    assert cache.value is False and cache.source == "derived" and "state snapshots" in cache.reason
+    assert settings["enable_prefix_caching"].value is True
+    count = settings["num_state_checkpoints"]
+    assert count.value == 32 and count.source == "derived" and "4 per running request" in count.reason
     report = llm.engine.core.config.report()
     assert "state group 0: gated deltanet state" in report and "state slots" in report
-    with pytest.raises(ValueError, match="enable_prefix_caching cannot be used with this model"):
-        LLM(path, num_kv_blocks=64, enable_prefix_caching=True)
+    assert "state checkpoints" in report and "32 x" in report
+    graphs = settings["max_cudagraph_capture_size"]
+    assert graphs.value == 0 and "run eagerly" in graphs.reason or llm.engine.core.config.device.type == "cpu"
 
 
 def test_state_per_request_does_not_grow_with_the_prompt(tmp_path):
@@ -105,7 +107,9 @@ def test_state_per_request_does_not_grow_with_the_prompt(tmp_path):
     layout = core.config.kv_layout
     linear = [i for g in layout.state_groups for i in g.layers]
     before = [(t.data_ptr(), tuple(t.shape)) for i in linear for t in core.model_executor.runner.kv_caches[i]]
-    assert [tuple(t.shape)[0] for i in linear for t in core.model_executor.runner.kv_caches[i]] == [4] * 2 * len(linear)
+    # One slot per running request, then the state checkpoints.
+    slots = 4 + core.config.num_state_checkpoints
+    assert [tuple(t.shape)[0] for i in linear for t in core.model_executor.runner.kv_caches[i]] == [slots] * 2 * len(linear)
     seen: list[tuple[int, int]] = []
     core.before_execute = lambda sched: seen.extend(
         (core.kv.held_blocks(s.request.request_id), len(core.kv.state_slots)) for s in sched.scheduled)
@@ -116,6 +120,7 @@ def test_state_per_request_does_not_grow_with_the_prompt(tmp_path):
     spec = layout.groups[0].spec
     assert core.config.plan.inputs.kv_bytes_per_token == 2 * spec.num_kv_heads * spec.head_dim * 4
     assert core.config.plan.inputs.state_bytes == 4 * layout.state_bytes_per_request
+    assert core.config.plan.inputs.checkpoint_bytes == layout.state_bytes_per_request
 
 
 def test_a_step_that_fails_after_its_state_advanced_ends_only_the_failing_request(case):

@@ -61,7 +61,9 @@ class EngineCore:
         layout = cfg.kv_layout
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                                 groups=layout.groups, num_state_slots=slots)
+                                 groups=layout.groups, num_state_slots=slots,
+                                 num_checkpoints=cfg.num_state_checkpoints,
+                                 checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size))
         self.stats = EngineStats()
         self.scheduler = Scheduler(cfg, self.kv, self.stats)
         self.model_executor.capture_graphs()
@@ -135,7 +137,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, so the next prompts compute everything; False while requests run."""
-        return not self.has_unfinished_requests() and self.kv.pool.reset_prefix_cache()
+        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges and counters a server reports, as of now."""
@@ -146,6 +148,10 @@ class EngineCore:
             num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            prefix_cache_hit_requests=stats.prefix_cache_hit_requests,
+            state_checkpoints_stored=stats.state_checkpoints_stored,
+            state_checkpoints_evicted=stats.state_checkpoints_evicted,
+            state_checkpoint_bytes=stats.state_checkpoint_bytes,
             num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
         )
 

@@ -32,6 +32,10 @@ class EngineSnapshot:
     prefill_chunks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_hit_requests: int = 0
+    state_checkpoints_stored: int = 0
+    state_checkpoints_evicted: int = 0
+    state_checkpoint_bytes: int = 0
     num_steps: int = 0
     steps_with_lent_cpus: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)

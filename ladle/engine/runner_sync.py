@@ -48,7 +48,7 @@ class RunnerSync:
                 tables = tuple(g.tables[rid] for g in groups)
                 update.new_requests.append(NewRequest(rid, list(tokens), req.num_prompt_tokens, req.sampling_params,
                                                       req.stop_token_ids, tuple(list(t) for t in tables),
-                                                      kv.state_slots.get(rid, -1)))
+                                                      kv.state_slots.get(rid, -1), kv.restores.pop(rid, None)))
                 self._sent[rid] = _Sent(len(tokens), [len(t) for t in tables], tables)
                 continue
             # A decode step adds one token and, every block_size tokens, one block: build only what changed.

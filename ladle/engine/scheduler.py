@@ -11,7 +11,9 @@ request's whole (re)prefill of KV; one that cannot get it yet is passed over by 
 at most max_pass_over times, after which nothing behind it starts until it does.
 
 With prefix caching, an admitted request starts at its cache hit (num_computed_tokens = hit tokens), and
-admission counts only the blocks it will take from the free queue.
+admission counts only the blocks it will take from the free queue. On a model whose hits need state checkpoints,
+a prefill chunk ends at the request's next checkpoint position (ladle.engine.checkpoint_positions) and saves
+its state there.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from ladle.startup.engine_config import EngineConfig
 from ladle.engine.admission import check_admissible
+from ladle.engine.checkpoint_positions import next_checkpoint
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.fair_shares import fair_shares
 from ladle.engine.stats import EngineStats
@@ -28,6 +31,7 @@ from ladle.startup.partial_prefill import default_limits
 from ladle.engine.request_queue import RequestQueue
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.kv_cache.manager import KVCacheManager
+from ladle.kv_cache.prefix_hits import PrefixHit
 from ladle.request import Request, RequestStatus
 from ladle.runner.model_runner import SampledToken
 from ladle.runner.sampler import FAILED
@@ -41,8 +45,11 @@ class _Candidate:
     """A waiting request that may start this step, with its prefix-cache hit."""
 
     request: Request
-    computed_blocks: list
-    num_cached: int
+    hit: PrefixHit
+
+    @property
+    def num_cached(self) -> int:
+        return self.hit.num_tokens
 
 
 class Scheduler:
@@ -83,8 +90,8 @@ class Scheduler:
         num_long = sum(self.limits.is_long(r.num_tokens - r.num_computed_tokens) for r in prefills)
         # A step that preempted is short of blocks: admitting now would only thrash.
         starts = [] if out.preempted_ids or budget == 0 else self._candidates(len(prefills), num_long)
-        shares = fair_shares([self._demand(r.num_tokens - r.num_computed_tokens) for r in prefills]
-                             + [self._demand(c.request.num_tokens - c.num_cached) for c in starts], budget)
+        shares = fair_shares([self._demand(r, r.num_computed_tokens) for r in prefills]
+                             + [self._demand(c.request, c.num_cached) for c in starts], budget)
         chunks: list[ScheduledRequest] = []
         for req, n in zip(prefills, shares):
             if n and req.status is RequestStatus.RUNNING and self._reserve(req, n, scheduled, out):
@@ -96,7 +103,8 @@ class Scheduler:
                 break
             if n == 0:
                 continue
-            if not self._admit(c, n, out):
+            n = self._admit(c, n, out)
+            if not n:
                 blocked.append(c.request)
                 continue
             for r in blocked:
@@ -104,13 +112,31 @@ class Scheduler:
             chunks.append(ScheduledRequest(c.request, c.request.num_computed_tokens, n, True))
             scheduled.add(c.request.request_id)
         out.scheduled += self._top_up(chunks, budget - sum(s.num_new_tokens for s in chunks))
-        for s in out.scheduled:
+        for i, s in enumerate(out.scheduled):
             if s.is_prefill:
                 self._log_chunk(s)
+                if self.kv.checkpointing:
+                    out.scheduled[i] = self._with_checkpoint(s)
         return out
 
-    def _demand(self, tokens_left: int) -> int:
-        return min(tokens_left, self.config.max_prefill_length)
+    def _checkpoint_at(self, req: Request, start: int) -> int | None:
+        if not self.kv.checkpointing:
+            return None
+        return next_checkpoint(req, start, self.config.state_checkpoint_interval, self.kv.block_size)
+
+    def _demand(self, req: Request, start: int) -> int:
+        """The most tokens req's next chunk from start may take: to its end, within the chunk cap, and no
+        further than its next checkpoint position."""
+        end = self._checkpoint_at(req, start) or req.num_tokens
+        return min(end - start, self.config.max_prefill_length)
+
+    def _with_checkpoint(self, s: ScheduledRequest) -> ScheduledRequest:
+        """s saving its request's state where it ends, if that is a checkpoint position (and a slot is free)."""
+        end = s.start_pos + s.num_new_tokens
+        if self._checkpoint_at(s.request, s.start_pos) != end:
+            return s
+        copy = self.kv.plan_checkpoint(s.request.request_id, end)
+        return s if copy is None else replace(s, checkpoint=copy)
 
     def _candidates(self, num_prefills: int, num_long: int) -> list[_Candidate]:
         """Waiting requests that may start beside the running prefills, in queue order: within the partial-
@@ -121,28 +147,31 @@ class Scheduler:
         for req in self.waiting:
             if len(found) >= room:
                 break
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-            if self._prefix_in_flight(req, num_cached, [c.request for c in found]):
+            hit = self.kv.get_computed_blocks(req)
+            if self._prefix_in_flight(req, hit.num_tokens, [c.request for c in found]):
                 continue
-            if self.limits.is_long(req.num_tokens - num_cached):
+            if self.limits.is_long(req.num_tokens - hit.num_tokens):
                 if num_long >= self.limits.max_long_partial_prefills:
                     continue
                 num_long += 1
-            found.append(_Candidate(req, computed_blocks, num_cached))
+            found.append(_Candidate(req, hit))
         return found
 
-    def _admit(self, c: _Candidate, n: int, out: SchedulerOutput) -> bool:
-        """Start c with an n-token first chunk if the pool can take its whole (re)prefill, so an admitted prompt
-        never stalls between chunks. Cached blocks cost only what taking them out of the free queue costs."""
+    def _admit(self, c: _Candidate, n: int, out: SchedulerOutput) -> int:
+        """Start c with a first chunk of at most n tokens if the pool can take its whole (re)prefill, so an
+        admitted prompt never stalls between chunks; returns the chunk's tokens (0: not admitted). Cached
+        blocks cost only what taking them out of the free queue costs."""
         req = c.request
         # The hit was looked up before this step's other requests took blocks, which may have evicted some of
         # it: look again, so a block handed out since is never taken as cached (the hit can only shrink).
-        computed_blocks, num_cached = c.computed_blocks, c.num_cached
-        if num_cached:
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+        hit = self.kv.get_computed_blocks(req) if c.num_cached else c.hit
+        num_cached = hit.num_tokens
+        # A hit shallower than the first lookup's leaves a longer first chunk, which must still stop at the
+        # next checkpoint position.
+        n = min(n, self._demand(req, num_cached))
         chunk = min(self.config.max_prefill_length, self.config.max_num_batched_tokens)
-        if not self.kv.admit(req.request_id, req.num_tokens, num_cached + n, chunk, computed_blocks, num_cached):
-            return False
+        if not self.kv.admit(req.request_id, req.num_tokens, num_cached + n, chunk, hit):
+            return 0
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = req.num_cached_tokens = num_cached
@@ -150,17 +179,18 @@ class Scheduler:
         if self.kv.enable_caching:
             out.prefix_cache_queries += req.num_tokens
             out.prefix_cache_hits += num_cached
+            out.prefix_cache_hit_requests += num_cached > 0
             logger.debug("admitted request=%s prefix_cache_hit=%d of %d tokens", req.request_id, num_cached,
                          req.num_tokens)
         self.running.append(req)
-        return True
+        return n
 
     def _top_up(self, chunks: list[ScheduledRequest], left: int) -> list[ScheduledRequest]:
         """Budget a failed admission (or a preemption) left unused goes to the scheduled prefills, in order,
         where the pool has the blocks without preempting anyone."""
         topped = []
         for s in chunks:
-            extra = min(left, self._demand(s.request.num_tokens - s.start_pos) - s.num_new_tokens)
+            extra = min(left, self._demand(s.request, s.start_pos) - s.num_new_tokens)
             if extra > 0 and self.kv.allocate(s.request.request_id, s.start_pos + s.num_new_tokens + extra,
                                               num_computed=s.start_pos):
                 s = replace(s, num_new_tokens=s.num_new_tokens + extra)
@@ -175,6 +205,7 @@ class Scheduler:
         stats = self.stats
         stats.prefix_cache_queries += sched.prefix_cache_queries
         stats.prefix_cache_hits += sched.prefix_cache_hits
+        stats.prefix_cache_hit_requests += sched.prefix_cache_hit_requests
         outs = []
         for s in sched.scheduled:
             req = s.request
@@ -206,6 +237,10 @@ class Scheduler:
                 out.finish_reason, out.stop_reason = status.value, req.stop_reason
                 out.prefill_chunks = req.prefill_chunks
             outs.append(out)
+        if self.kv.checkpointing:
+            ck = self.kv.checkpoints
+            stats.state_checkpoints_stored, stats.state_checkpoints_evicted = ck.num_stored, ck.num_evicted
+            stats.state_checkpoint_bytes = ck.bytes_held
         return outs
 
     def fail(self, req: Request, message: str) -> EngineCoreOutput:
@@ -222,11 +257,14 @@ class Scheduler:
         Waiting for it (one step, or until that request's chunked prefill passes the block) beats computing
         the same KV twice. This is how n > 1 siblings, admitted together, share their prompt: the first
         prefills it, the others follow a step later and hit its blocks. Requests behind a deferred one may
-        be admitted meanwhile; the deferred one keeps its place at the head of the queue.
+        be admitted meanwhile; the deferred one keeps its place at the head of the queue. (On a model with
+        state checkpoints the other request's chunk ends at the same checkpoint positions, so the wait is one
+        chunk.)
         """
         if not self.kv.enable_caching:
             return False
-        end = num_cached + self.kv.block_size
+        # Where checkpoints are needed, the next hit req could get is at its next checkpoint position.
+        end = self._checkpoint_at(req, num_cached) or num_cached + self.kv.block_size
         if end > req.num_tokens - 1:
             return False  # no further block of req would be reused: a hit stops before the last token
         tokens = req.all_token_ids

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.request import Request
 
 
@@ -12,6 +13,7 @@ class ScheduledRequest:
     start_pos: int  # num_computed_tokens when scheduled
     num_new_tokens: int
     is_prefill: bool  # a (re)prefill chunk rather than one decode token
+    checkpoint: CheckpointCopy | None = None  # the state checkpoint this chunk saves where it ends
 
     @property
     def samples(self) -> bool:
@@ -25,6 +27,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     prefix_cache_queries: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    prefix_cache_hit_requests: int = 0  # admitted requests with a hit
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +47,7 @@ class SchedulerOutput:
         kept, left = [], max_tokens
         for s in self.scheduled:
             n = min(s.num_new_tokens, left)
-            if n > 0:
-                kept.append(replace(s, num_new_tokens=n))
+            if n > 0:  # a chunk cut short does not reach its checkpoint position
+                kept.append(replace(s, num_new_tokens=n, checkpoint=s.checkpoint if n == s.num_new_tokens else None))
                 left -= n
         return replace(self, scheduled=kept)

@@ -38,6 +38,11 @@ class EngineStats:
     # preemption), hits those served by the prefix cache. Zero when prefix caching is off.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_hit_requests: int = 0  # admissions that resumed from a hit
+    # Models with per-request state: checkpoints registered and evicted so far, and the bytes held now.
+    state_checkpoints_stored: int = 0
+    state_checkpoints_evicted: int = 0
+    state_checkpoint_bytes: int = 0
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)

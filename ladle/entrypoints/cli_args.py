@@ -54,6 +54,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=S, help="CUDA: share of device memory (0.9)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=S,
                    help="reuse KV of shared prompt prefixes (default on)")
+    p.add_argument("--num-state-checkpoints", type=int, default=S,
+                   help="models with per-request state (Gated DeltaNet, DeepSeek-V4): state checkpoints kept for "
+                        "prefix hits (default: derived from memory)")
+    p.add_argument("--state-checkpoint-interval", type=int, default=S,
+                   help="tokens between state checkpoints while a request prefills, a multiple of the block size "
+                        "(default: the chunk cap in whole blocks)")
     p.add_argument("--enforce-eager", action="store_true", default=S, help="CUDA: no CUDA graphs")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=S,
                    help="CUDA: largest step, in tokens, replayed from a graph (default min(512, max_num_seqs))")
@@ -88,7 +94,8 @@ def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
                "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-               "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "max_cudagraph_capture_size",
+               "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "num_state_checkpoints",
+               "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
                "cudagraph_mode", "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
                "tensor_parallel_size", "seed")
 

@@ -1,49 +1,20 @@
 """The paged KV pool's blocks: ref counts, the free queue, and the prefix cache's registry.
 
-Prefix caching (vLLM semantics): a block whose tokens are all written is registered under a BlockHash, the
-identity of its KV: its parent block's identity and its own token ids. A freed block keeps its hash and
-stays reusable until the pool needs it; the free queue evicts least recently used first. Hits are exact: the
-dict compares token ids and the parent's cache id on every hit, and cache ids are never reused, so no hash
-collision (even a constant hash) can serve another prefix's KV.
+Prefix caching (vLLM semantics): a block whose tokens are all written is registered under its BlockKey, the
+prefix node of the tokens it holds (ladle.kv_cache.prefix_tree, where exactness lives) and its group. A freed
+block keeps its key and stays reusable until the pool needs it; the free queue evicts least recently used
+first, and each eviction is reported to on_evict, so the node loses the block's reference.
 """
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import Callable
 
-ROOT_CACHE_ID = -1  # parent of a request's first block
-
-
-def hash_block_tokens(parent_cache_id: int, tokens_hash: int, extra_keys: tuple) -> int:
-    """Hash of a block's identity. A module function, so tests can make it collide on purpose."""
-    return hash((parent_cache_id, tokens_hash, extra_keys))
-
-
-@dataclass(frozen=True)
-class BlockTokens:
-    """A full block's token ids and their hash, made once per request and block (Request.block_tokens), so
-    the lookups each step repeats for a waiting prompt hash only the parent's id."""
-
-    token_ids: tuple[int, ...]
-    tokens_hash: int
-
-
-@dataclass(frozen=True, eq=True)
-class BlockHash:
-    """A full block's identity. The parent is named by its cache id (unique for the pool's lifetime)
-    rather than by its hash, so equality of two BlockHashes means equality of the whole prefix."""
-
-    parent_cache_id: int
-    tokens: BlockTokens
-    extra_keys: tuple = ()  # anything else that changes KV (an adapter id, one day)
-
-    def __hash__(self) -> int:
-        return hash_block_tokens(self.parent_cache_id, self.tokens.tokens_hash, self.extra_keys)
+BlockKey = tuple[int, int]  # (prefix node, KV cache group): the identity of a cached block's contents
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -51,11 +22,10 @@ class BlockPool:
         # Blocks with ref count 0, front evicted first. Keys only; an OrderedDict gives O(1) removal when a
         # cached free block is hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self.cache_ids: list[int] = [ROOT_CACHE_ID] * num_blocks
-        self.cached_block_hash_to_block: dict[BlockHash, int] = {}
-        self._next_cache_id = itertools.count()
+        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.cached_blocks: dict[BlockKey, int] = {}
         self.num_evictions = 0
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -85,31 +55,30 @@ class BlockPool:
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
                 self.free_queue[i] = None
-                if self.block_hashes[i] is None:
+                if self.block_keys[i] is None:
                     self.free_queue.move_to_end(i, last=False)  # holds nothing reusable: hand it out first
 
-    def get_cached_block(self, block_hash: BlockHash) -> int | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, key: BlockKey) -> int | None:
+        return self.cached_blocks.get(key)
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> int:
-        """Register a written block under block_hash; returns the cache id that names this prefix. If an
-        identical block is registered already (two requests computed it at once), that one keeps the entry."""
-        existing = self.cached_block_hash_to_block.get(block_hash)
-        if existing is not None:
-            return self.cache_ids[existing]
-        self.cached_block_hash_to_block[block_hash] = block_id
-        self.block_hashes[block_id] = block_hash
-        self.cache_ids[block_id] = next(self._next_cache_id)
-        return self.cache_ids[block_id]
+    def cache_block(self, block_id: int, key: BlockKey) -> bool:
+        """Register a written block under key; False if an identical block is registered already (two requests
+        computed it at once): that one keeps the entry."""
+        if key in self.cached_blocks:
+            return False
+        self.cached_blocks[key] = block_id
+        self.block_keys[block_id] = key
+        return True
 
     def _evict(self, block_id: int) -> None:
-        block_hash = self.block_hashes[block_id]
-        if block_hash is None:
+        key = self.block_keys[block_id]
+        if key is None:
             return
-        del self.cached_block_hash_to_block[block_hash]
-        self.block_hashes[block_id] = None
-        self.cache_ids[block_id] = ROOT_CACHE_ID
+        del self.cached_blocks[key]
+        self.block_keys[block_id] = None
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key[0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any block is in use."""
@@ -121,4 +90,4 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.cached_block_hash_to_block)
+        return len(self.cached_blocks)

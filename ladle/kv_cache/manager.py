@@ -11,65 +11,62 @@ Invariants:
   only after that, so every block it ever held was registered first.
 - A registered block is never written again: a request writes only at positions >= num_computed_tokens,
   which lie past its hit, and the hit stops short of the last token (see get_computed_blocks).
-- A prefix hit is the longest one every group can serve: each group walks its chain of registered blocks
-  from the first, so a sliding group serves a hit only while all its blocks up to the hit are still cached
-  (stricter than the window needs, never wrong).
+- A prefix hit is the deepest block boundary every group can serve (ladle.kv_cache.prefix_hits): a full group
+  with all its blocks before it cached, a sliding group with those its window reads, a compressed group with
+  its complete blocks, and a model with per-request state (or compressed groups, whose last partial block is
+  in the checkpoint) with a state checkpoint there. Blocks and checkpoints are registered under prefix nodes
+  (ladle.kv_cache.prefix_tree), so each is found without the others.
+- A checkpoint is registered only after the forward that reached its position has run and copied the state
+  (cache_full_blocks again); a request holds at most one pending checkpoint, freed with the request.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from ladle.kv_cache.block_pool import ROOT_CACHE_ID, BlockHash, BlockPool, BlockTokens
+from ladle.kv_cache.block_pool import BlockPool
+from ladle.kv_cache.group_tables import GroupTables
+from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit
+from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
+from ladle.kv_cache.state_checkpoints import CheckpointCopy, StateCheckpoints
 
 if TYPE_CHECKING:
     from ladle.request import Request
 
-NULL_BLOCK = -1  # a table entry given back by a sliding-window group
 GroupBlocks = tuple[list[int], ...]  # one list per group
-
-
-class _GroupTables:
-    def __init__(self, window: int | None, compression: tuple[int, int] = (1, 1)) -> None:
-        self.window = window
-        self.compression = compression
-        self.tables: dict[str, list[int]] = {}
-        # Per request: how many leading blocks are registered (or found registered), and the cache id of the
-        # last of them, which is the parent of the next one.
-        self.num_cached_block: dict[str, int] = {}
-        self.last_cache_id: dict[str, int] = {}
-
-    def blocks_for(self, num_tokens: int, block_size: int) -> int:
-        """Blocks that hold num_tokens tokens (or, compressed, the entries of their complete groups)."""
-        return blocks_held(None, num_tokens, block_size, num_tokens, self.compression)
-
-    def first_needed(self, num_computed: int, block_size: int) -> int:
-        """Index of the first block the next queries (from position num_computed) can read."""
-        if self.window is None:
-            return 0
-        return max(0, num_computed - self.window + 1) // block_size
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0) -> None:
+                 groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0,
+                 num_checkpoints: int = 0, checkpoint_bytes: int = 0) -> None:
         """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
         specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
         its state tensors hold (one per running request); a request takes one at admission and gives it back
-        when freed."""
+        when freed. num_checkpoints: state checkpoints, in the state tensors' rows after those slots
+        (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.tree = PrefixTree()
+        self.pool = BlockPool(num_blocks, on_evict=self.tree.unref)
         specs = [g.spec for g in (groups or (paged_group(),))]
-        self.groups = [_GroupTables(s.sliding_window, s.compression) for s in specs]
+        self.groups = [GroupTables(s.sliding_window, s.compression, block_size) for s in specs]
         self.tables = tuple(g.tables for g in self.groups)
         self.has_sliding_window = any(s.sliding_window is not None for s in specs)
-        if enable_caching and any(g.compression != (1, 1) for g in self.groups):
-            raise ValueError("prefix caching cannot serve compressed KV groups (their blocks hold entries, not "
-                             "tokens)")
         self.state_slots: dict[str, int] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._uses_state = num_state_slots > 0
+        # With state layers or compressed groups a hit must restore what the paged pool does not hold.
+        self.checkpointing = enable_caching and (self._uses_state or any(g.compression != (1, 1)
+                                                                         for g in self.groups))
+        if self.checkpointing and num_checkpoints < 1:
+            raise ValueError("prefix caching on a model with per-request state or compressed KV groups needs "
+                             "state checkpoints (num_checkpoints >= 1)")
+        self.checkpoints = StateCheckpoints(num_checkpoints if self.checkpointing else 0, num_state_slots,
+                                            checkpoint_bytes, self.tree.unref)
+        self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
+        self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
+        self.restores: dict[str, CheckpointCopy] = {}  # per admitted request: the checkpoint it resumes from
 
     @property
     def num_blocks(self) -> int:
@@ -101,33 +98,15 @@ class KVCacheManager:
             made.append(BlockTokens(block, hash(block)))
         return made
 
-    @staticmethod
-    def _block_hash(parent_cache_id: int, tokens: BlockTokens, group: int) -> BlockHash:
-        """Groups hold different layers' KV for the same tokens, so the group is part of a block's identity."""
-        return BlockHash(parent_cache_id, tokens, () if group == 0 else (group,))
-
-    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
-        """Each group's leading cached blocks of the request and the tokens they hold. The hit stops before
-        the last token, so logits exist; a block-aligned prompt therefore recomputes its last block into a
-        block of its own, and a shared block is never written."""
-        empty: GroupBlocks = tuple([] for _ in self.groups)
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The deepest prefix hit every group (and, where needed, a state checkpoint) can serve. It stops
+        before the last token, so logits exist; a block-aligned prompt therefore recomputes its last block into
+        a block of its own, and a shared block is never written."""
         if not self.enable_caching:
-            return empty, 0
-        hits: list[list[int]] = []
+            return PrefixHit(tuple([] for _ in self.groups), 0)
         keys = self._block_tokens(request, (request.num_tokens - 1) // self.block_size)
-        for gi in range(len(self.groups)):
-            blocks: list[int] = []
-            parent = ROOT_CACHE_ID
-            for tokens in keys:
-                block_id = self.pool.get_cached_block(self._block_hash(parent, tokens, gi))
-                if block_id is None:
-                    break
-                blocks.append(block_id)
-                parent = self.pool.cache_ids[block_id]
-            hits.append(blocks)
-        # A hit only where every group can serve it (one group's blocks may be evicted before another's).
-        n = min(len(b) for b in hits)
-        return tuple(b[:n] for b in hits), n * self.block_size
+        return find_hit(self.tree.walk(keys), self.groups, self.pool, self.block_size,
+                        self.checkpoints if self.checkpointing else None)
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed_blocks: GroupBlocks = (),
                                num_computed: int = 0) -> int:
@@ -144,7 +123,7 @@ class KVCacheManager:
             first = g.first_needed(num_computed, self.block_size)
             new = max(0, g.blocks_for(ends[gi], self.block_size) - max(len(table) + len(hit), first))
             back = sum(1 for b in table[:first] if b != NULL_BLOCK and self.pool.ref_counts[b] == 1)
-            total += new + sum(1 for b in hit if self.pool.ref_counts[b] == 0) - back
+            total += new + sum(1 for b in hit if b != NULL_BLOCK and self.pool.ref_counts[b] == 0) - back
         return total
 
     def allocate(self, request_id: str, num_tokens: int, computed_blocks: GroupBlocks = (),
@@ -167,12 +146,14 @@ class KVCacheManager:
         return self._grow(request_id, [num_tokens] * len(self.groups), computed_blocks, num_computed, 0)
 
     def admit(self, request_id: str, num_tokens: int, first_chunk_end: int, chunk: int,
-              computed_blocks: GroupBlocks = (), num_computed: int = 0) -> bool:
+              hit: PrefixHit | None = None) -> bool:
         """Admission on the whole prompt: full-attention groups get blocks for all num_tokens now; a sliding
         group gets those of its first chunk, and only if the pool also has room for it to grow to the most it
-        will hold (prefilling `chunk` tokens a step), so an admitted prompt does not stall between chunks."""
+        will hold (prefilling `chunk` tokens a step), so an admitted prompt does not stall between chunks. A hit
+        with a checkpoint leaves the copy that restores it in restores[request_id], for the runner."""
         if self._uses_state and request_id not in self.state_slots and not self._free_slots:
             return False
+        computed_blocks, num_computed = (hit.blocks, hit.num_tokens) if hit is not None else ((), 0)
         ends = [num_tokens if g.window is None else first_chunk_end for g in self.groups]
         room = sum(max(0, blocks_held(g.window, num_tokens, self.block_size, chunk) - self.blocks_for(first_chunk_end))
                    for g in self.groups if g.window is not None)
@@ -180,7 +161,38 @@ class KVCacheManager:
             return False
         if self._uses_state and request_id not in self.state_slots:
             self.state_slots[request_id] = self._free_slots.pop()
+        if hit is not None and hit.num_tokens:
+            self.chains[request_id] = list(hit.nodes)
+            for node in hit.nodes:
+                self.tree.ref(node)
+            if hit.checkpoint >= 0:
+                tails = self._tail_blocks(request_id, num_computed)
+                self.restores[request_id] = CheckpointCopy(hit.checkpoint, self.state_slots.get(request_id, -1),
+                                                           num_computed, tails)
         return True
+
+    def _tail_blocks(self, request_id: str, position: int) -> tuple[int, ...]:
+        """The request's block in each group whose page a checkpoint at position copies (-1: none)."""
+        tails = (g.tail_block(position) for g in self.groups)
+        return tuple(-1 if i is None else g.tables[request_id][i] for g, i in zip(self.groups, tails))
+
+    def plan_checkpoint(self, request_id: str, position: int) -> CheckpointCopy | None:
+        """A slot for the state the request's running chunk reaches at `position`, to be saved after it runs
+        (and registered by cache_full_blocks once it has); None when every checkpoint slot is pending. The
+        tail blocks are the compressed groups' partly filled blocks there, copied with the state."""
+        held = self.pending.get(request_id)
+        if held is not None:
+            if held.position == position:
+                return held
+            self.checkpoints.release(held.checkpoint)
+            del self.pending[request_id]
+        slot = self.checkpoints.take()
+        if slot is None:
+            return None
+        copy = CheckpointCopy(slot, self.state_slots.get(request_id, -1), position,
+                              self._tail_blocks(request_id, position))
+        self.pending[request_id] = copy
+        return copy
 
     def _grow(self, request_id: str, ends: list[int], computed_blocks: GroupBlocks, num_computed: int,
               room: int) -> bool:
@@ -193,10 +205,9 @@ class KVCacheManager:
             if hit:
                 table = g.tables.setdefault(request_id, [])
                 assert not table, "a prefix hit only starts an empty table"
-                self.pool.touch(list(hit))
+                self.pool.touch([b for b in hit if b != NULL_BLOCK])
                 table.extend(hit)
                 g.num_cached_block[request_id] = len(hit)
-                g.last_cache_id[request_id] = self.pool.cache_ids[hit[-1]]
         for gi, g in enumerate(self.groups):
             table = g.tables.setdefault(request_id, [])
             first = g.first_needed(num_computed, self.block_size)
@@ -212,33 +223,60 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that num_computed_tokens has filled. Call after the step ran."""
+        """Register what num_computed_tokens has filled: the request's full blocks in every group and the
+        checkpoint its chunk saved at that position. Call after the step ran."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        end = num_computed_tokens // self.block_size
-        keys: list[BlockTokens] | None = None  # made only on a step that fills a block (most fill none)
+        rid, size = request.request_id, self.block_size
+        end = num_computed_tokens // size
+        chain = self.chains.setdefault(rid, [])
+        if end > len(chain):  # a step that fills a block (most decode steps fill none)
+            keys = self._block_tokens(request, end)
+            parent = chain[-1] if chain else ROOT
+            for i in range(len(chain), end):
+                parent = self.tree.extend(parent, keys[i])
+                chain.append(parent)
         for gi, g in enumerate(self.groups):
             table = g.tables.get(rid)
             start = g.num_cached_block.get(rid, 0)
-            if table is None or end <= start:
+            stop = num_computed_tokens // g.tokens_per_block
+            if table is None or stop <= start:
                 continue
-            keys = keys or self._block_tokens(request, end)
-            parent = g.last_cache_id.get(rid, ROOT_CACHE_ID)
-            for i in range(start, end):
-                if table[i] == NULL_BLOCK:
-                    break  # never held (a window passed it over): the chain cannot go on
-                parent = self.pool.cache_block(table[i], self._block_hash(parent, keys[i], gi))
-                g.num_cached_block[rid] = i + 1
-            g.last_cache_id[rid] = parent
+            per = g.tokens_per_block // size
+            for i in range(start, stop):
+                if table[i] != NULL_BLOCK:  # else a window passed it over: never held
+                    node = chain[(i + 1) * per - 1]
+                    if self.pool.cache_block(table[i], (node, gi)):
+                        self.tree.ref(node)
+            g.num_cached_block[rid] = stop
+        saved = self.pending.get(rid)
+        if saved is not None and num_computed_tokens >= saved.position:
+            del self.pending[rid]
+            node = chain[saved.position // size - 1]
+            if num_computed_tokens == saved.position and self.checkpoints.register(node, saved.checkpoint):
+                self.tree.ref(node)
+            elif num_computed_tokens != saved.position:
+                self.checkpoints.release(saved.checkpoint)
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references (its state slot too); its registered blocks stay cached until
-        evicted."""
+        """Drop the request's references (its state slot and pending checkpoint too); its registered blocks
+        and checkpoints stay cached until evicted."""
         slot = self.state_slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            self.checkpoints.release(pending.checkpoint)
+        self.restores.pop(request_id, None)
         for g in self.groups:
             self.pool.release([b for b in g.tables.pop(request_id, []) if b != NULL_BLOCK])
             g.num_cached_block.pop(request_id, None)
-            g.last_cache_id.pop(request_id, None)
+        for node in self.chains.pop(request_id, ()):
+            self.tree.unref(node)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and checkpoint; refused (False) while any block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self.checkpoints.clear()
+        return True

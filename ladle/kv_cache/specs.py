@@ -165,6 +165,16 @@ class KVCacheLayout:
         return sum(g.spec.bytes_per_request * len(g.layers) for g in self.state_groups)
 
     @property
+    def tail_groups(self) -> tuple[int, ...]:
+        """The compressed groups, whose last partly filled block a state checkpoint holds a copy of."""
+        return tuple(i for i, g in enumerate(self.groups) if g.spec.compress_rate > 1)
+
+    def checkpoint_bytes(self, block_size: int) -> int:
+        """One state checkpoint: a request's state slot, and a page per layer of each compressed group."""
+        return self.state_bytes_per_request + sum(len(self.groups[i].layers) * self.groups[i].spec.page_bytes(block_size)
+                                                  for i in self.tail_groups)
+
+    @property
     def num_tensors(self) -> int:
         return max(len(g.layers) for g in self.groups)
 

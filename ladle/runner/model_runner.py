@@ -14,6 +14,7 @@ from ladle.attention.backends import AttentionGroup, reference_group, select_bac
 from ladle.kv_cache.specs import KVCacheLayout, StateGroup, paged_group
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
 from ladle.runner.inputs import build_step_inputs
 from ladle.runner.step_batch import ScheduledChunk, StepBatch
@@ -51,6 +52,18 @@ def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, 
     return caches
 
 
+def allocate_checkpoint_tails(layout: KVCacheLayout, num_checkpoints: int,
+                              device: torch.device) -> dict[int, torch.Tensor]:
+    """Per layer of a compressed group: one page per state checkpoint, the copy of that group's last partly
+    filled block (ladle.kv_cache.state_checkpoints)."""
+    if not num_checkpoints:
+        return {}
+    spec = layout.groups[0].spec
+    shape = (num_checkpoints, layout.block_size, spec.num_kv_heads, spec.head_dim)
+    return {layer: torch.zeros(shape, dtype=spec.dtype, device=device)
+            for g in layout.tail_groups for layer in layout.groups[g].layers}
+
+
 class PendingStep:
     """A launched step whose sampled tokens are still on the device.
 
@@ -83,15 +96,19 @@ class ModelRunner:
         self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
-        max_num_seqs: int = 256, seed: int = 0,
+        max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
+        first_checkpoint: int = 0,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
         full-attention group if None); state_groups: the layout's state groups (models with StateSpec layers);
         max_num_seqs: requests sampled at once at most (rows of the penalty counts); seed: the engine's seed,
         which the draws of rows without a seed of their own come from (a host generator of the runner's, not
-        torch's global)."""
+        torch's global). checkpoint_tails: allocate_checkpoint_tails'; first_checkpoint: the state tensors' row of
+        checkpoint 0."""
         self.model = model
+        self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
+                                            first_checkpoint)
         self.num_state_groups = len(state_groups)
         self.state_layers = tuple(layer for group in state_groups for layer in group.layers)
         # Set once a forward has begun: from then on its state layers may have advanced their requests' state.
@@ -132,8 +149,12 @@ class ModelRunner:
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
 
     def apply(self, update: StateUpdate) -> None:
-        """Take the engine's news of its requests (ladle.runner.runner_requests)."""
+        """Take the engine's news of its requests (ladle.runner.runner_requests); a request resuming from a
+        state checkpoint gets its state back before any step runs it."""
         self.requests.apply(update)
+        for new in update.new_requests:
+            if new.restore is not None:
+                self.checkpoints.restore(new.restore)
 
     def snapshot_states(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Copies of these requests' state slots in every state tensor: (tensor, slots, saved rows)."""
@@ -150,6 +171,7 @@ class ModelRunner:
         sampled = [s for s in specs if s.sample]
         out = self.run(self.requests.step_batch(specs), self._sampling_metadata(sampled),
                        self.requests.tables(specs, self.block_size))
+        self.checkpoints.save_after(specs)
         rids = [s.request_id for s in sampled]
         return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
 
@@ -157,6 +179,7 @@ class ModelRunner:
     def forward_shard(self, specs: list[ChunkSpec]) -> None:
         """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits."""
         self._logits(self.requests.step_batch(specs), self.requests.tables(specs, self.block_size))
+        self.checkpoints.save_after(specs)
 
     def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the

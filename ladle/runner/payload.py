@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequest:
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and the params' stop token ids
     block_ids: tuple[list[int], ...]  # its block table, per KV cache group
     state_slot: int = -1  # its slot in the state layers (models with StateSpec layers), new at each admission
+    restore: CheckpointCopy | None = None  # the state checkpoint its prefix hit resumes from
 
 
 class RequestDiff(NamedTuple):
@@ -39,6 +41,7 @@ class ChunkSpec(NamedTuple):
     start_pos: int  # tokens already in the KV cache
     num_tokens: int
     sample: bool  # the chunk reaches the request's last known token, so a token is sampled
+    checkpoint: CheckpointCopy | None = None  # where the runner saves the request's state after the chunk
 
 
 @dataclass

@@ -31,6 +31,9 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     enable_prefix_caching: bool = True
+    # Models with per-request state (or compressed KV groups): the state checkpoints prefix hits resume from.
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 512  # tokens between checkpoints while a request prefills
     max_cudagraph_capture_size: int = 0  # largest step (tokens) captured in a CUDA graph; 0 = eager only
     cudagraph_mode: str = "NONE"  # FULL | FULL_DECODE_ONLY | NONE (no graphs)
     async_scheduling: bool = False

@@ -34,11 +34,15 @@ class PlanInputs:
     state_bytes: int = 0  # state layers' slots, one per running request (max_num_seqs x bytes per request)
     compressions: tuple[tuple[int, int], ...] = ()  # each group's (tokens per entry, block scale); () all (1, 1)
     penalty_bytes: int = 0  # the sampler's penalty counts: a vocabulary-wide row per running request
+    num_checkpoints: int = 0  # state checkpoints for prefix hits (models with per-request state)
+    checkpoint_bytes: int = 0  # each
 
     @property
     def reserved(self) -> int:
-        """Held for good beside the KV pool: CUDA graphs' pool, the state slots and the penalty counts."""
-        return self.graph_bytes + self.state_bytes + self.penalty_bytes
+        """Held for good beside the KV pool: CUDA graphs' pool, the state slots and checkpoints, and the penalty
+        counts."""
+        return (self.graph_bytes + self.state_bytes + self.penalty_bytes
+                + self.num_checkpoints * self.checkpoint_bytes)
 
     @property
     def margin(self) -> int:
@@ -136,6 +140,8 @@ class MemoryPlan:
             *(graphs if i.graph_bytes else []),
             *([f"state slots       {i.state_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} slots, one per running "
                f"request, {format_bytes(i.state_bytes // i.max_num_seqs)} each)"] if i.state_bytes else []),
+            *([f"state checkpoints {i.num_checkpoints * i.checkpoint_bytes / MiB:10.1f} MiB  ({i.num_checkpoints} x "
+               f"{format_bytes(i.checkpoint_bytes)}, for prefix hits)"] if i.num_checkpoints else []),
             *([f"penalty counts    {i.penalty_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} rows of the vocabulary, "
                "allocated when a request with a penalty arrives)"] if i.penalty_bytes else []),
             f"margin            {i.margin / MiB:10.1f} MiB",

@@ -17,6 +17,7 @@ from ladle.config import (
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
+from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
 from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
@@ -26,7 +27,7 @@ from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
 from ladle.runner.block_table import BlockTableBuffer
-from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+from ladle.runner.model_runner import ModelRunner, allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
 
 
@@ -73,25 +74,16 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
     return points
 
 
-def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int,
-                  prefix_caching: bool) -> tuple[int, bool]:
-    """What a model with per-request state layers cannot use yet: a prefix hit would skip tokens whose state
-    no snapshot holds, and the state layers have no graph-safe path. Explicit requests for either are refused;
-    the defaults are derived off, with the reason."""
-    layers = sum(len(g.layers) for g in layout.state_groups)
+def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int) -> int:
+    """The state layers have no graph-safe path: an explicit request for graphs is refused, the default is
+    derived off, with the reason."""
     kind = layout.state_groups[0].spec.kind
-    if prefix_caching:
-        why = (f"{layers} layers keep a {kind} per request and ladle stores no state snapshots, so a prefix hit "
-               "could not restore it")
-        if "enable_prefix_caching" in prov.explicit:
-            raise ValueError(f"enable_prefix_caching cannot be used with this model: {why}; drop it")
-        prov.put("enable_prefix_caching", False, why)
     if graph_batch:
         why = f"the {kind} layers run eagerly (no CUDA-graph path for them yet)"
         if "max_cudagraph_capture_size" in prov.explicit:
             raise ValueError(f"max_cudagraph_capture_size cannot be used with this model: {why}; drop it")
         prov.put("max_cudagraph_capture_size", 0, why)
-    return 0, False
+    return 0
 
 
 def _graph_limit(prov: Provenance, graph_batch: int, why: str) -> int:
@@ -118,15 +110,18 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
                  **extra: Any) -> ModelRunner:
     """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
     layout = cfg.kv_layout
-    # A model with state layers keeps one state slot per running request (the plan reserved them).
+    # A model with state layers keeps one state slot per running request, then its checkpoints (the plan
+    # reserved them).
     slots = cfg.max_num_seqs if layout.state_groups else 0
-    caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device, slots)
+    caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device,
+                                slots + cfg.num_state_checkpoints)
+    tails = allocate_checkpoint_tails(layout, cfg.num_state_checkpoints, cfg.device)
     # Room for every running request, and as many again for preempted ones coming back; one per group.
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
     return runner_cls(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
-                      cfg.max_num_seqs, cfg.seed, **extra)
+                      cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots, **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -187,7 +182,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     graph_batch = resolve_cudagraph_size(args, device, prov)
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
-        graph_batch, prefix_caching = _state_limits(prov, layout, graph_batch, prefix_caching)
+        graph_batch = _state_limits(prov, layout, graph_batch)
+    num_checkpoints, prefix_caching = resolve_checkpoints(args, prov, layout, budget, weights, prefix_caching)
     if any(g.spec.compress_rate > 1 for g in layout.groups) and graph_batch:
         graph_batch = _graph_limit(prov, graph_batch, "compressed KV groups: the model builds their entries "
                                    "request by request from host copies, which a graph cannot replay")
@@ -212,7 +208,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
                         args.max_num_seqs * layout.state_bytes_per_request, layout.compressions,
-                        args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN)
+                        args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
+                        layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
@@ -221,12 +218,15 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if tp.world_size > 1:
         plan = agree_on_plan(plan, tp, prov)
     limits = resolve_partial_prefills(args, prov, plan.max_num_batched_tokens)
+    interval = resolve_interval(args, prov, min(plan.max_prefill_length, plan.max_num_batched_tokens),
+                                num_checkpoints)
     prov.put("tensor_parallel_size", tp.world_size)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
+        num_state_checkpoints=num_checkpoints, state_checkpoint_interval=interval,
         max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
         settings=prov.settings, plan=plan, kv_layout=layout, cpu_lending=lending,

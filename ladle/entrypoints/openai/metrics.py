@@ -21,6 +21,10 @@ _COUNTERS = {
     "prefill_chunks": ("prefill_chunks", "Prefill chunks run (a long prompt is several)."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "prefix_cache_hit_requests": ("prefix_cache_hit_requests", "Requests admitted with a prefix-cache hit."),
+    "state_checkpoints_stored": ("state_checkpoints_stored", "State checkpoints stored for prefix hits (models "
+                                                             "with per-request state)."),
+    "state_checkpoints_evicted": ("state_checkpoints_evicted", "State checkpoints evicted to make room."),
     "num_steps": ("engine_steps", "Engine steps run."),
     "steps_with_lent_cpus": ("engine_steps_with_lent_cpus", "Engine steps run with the API process's idle CPUs "
                                                             "lent (ladle serve on CPU)."),
@@ -43,6 +47,7 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.state_checkpoint_bytes = gauge("state_checkpoint_bytes", "Bytes held by registered state checkpoints.")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks in use.")
         self.engine_healthy = gauge("engine_healthy", "1 while the engine process is up and serving.")
         def counter(name: str, doc: str) -> Counter:
@@ -81,6 +86,7 @@ class ServerMetrics:
         self.num_requests_waiting.set(snap.num_waiting)
         self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
         self.kv_cache_usage_perc.set(snap.kv_usage)
+        self.state_checkpoint_bytes.set(snap.state_checkpoint_bytes)
 
     def set_engine(self, healthy: bool, num_restarts: int) -> None:
         self.engine_healthy.set(1 if healthy else 0)

@@ -1,0 +1,168 @@
+"""Prefix caching on models with per-request state (Qwen3.5's Gated DeltaNet, DeepSeek-V4's compressors and
+compressed KV), through state checkpoints: a request resumed from one gives HF's greedy tokens and the cold
+run's logprobs, for prompts whose shared prefix ends before, on and after block and checkpoint boundaries, inside
+compression groups and inside and beyond the sliding window; under checkpoint and KV eviction, preemption and an
+abort mid-prefill."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hf_oracle import hf_greedy, ladle_tokens
+from ladle import LLM, SamplingParams
+import test_deepseek_v4 as dsv4
+import test_qwen3_5 as qwen3_5
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+BASE = 400
+# (shared prefix, own suffix): the prefix ends mid-block, on a block, one past it; inside a CSA group (rate 4)
+# and an HCA group (16 or 32), past the window; the whole base, and the base less its last token.
+SHAPES = [(BASE, 0), (BASE, 40), (47, 3), (64, 9), (65, 30), (130, 20), (200, 7), (131, 90), (BASE - 1, 5)]
+MODELS = {"qwen3_5": ("qwen3_5", "gqa"), "qwen3_5_moe": ("qwen3_5", "moe"), **{
+    f"dsv4_{mix}": ("dsv4", mix) for mix in dsv4.MIXES}}
+
+
+def shared_prompts(seed: int, shapes: list[tuple[int, int]] = SHAPES) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(512) for _ in range(BASE)]
+    return [base[:n] + [rng.randrange(512) for _ in range(m)] for n, m in shapes]
+
+
+def one_by_one(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
+    """Each prompt after the one before has finished, so every later one can hit the earlier ones' prefixes."""
+    return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+
+
+def expected_hits(prompts: list[list[int]], interval: int, block: int = 16) -> list[int]:
+    """What each prompt, run after the ones before it, resumes from: the deepest checkpoint an earlier prompt
+    stored (every `interval` tokens, and where its prompt ends, rounded down to a block, and a block before
+    that) within the prefix they share, short of the prompt's last token."""
+    hits = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            shared = next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+            stored = {*range(interval, len(q) + 1, interval), len(q) // block * block, (len(q) - 1) // block * block}
+            best = max([best] + [c for c in stored if c <= min(shared, len(p) - 1)])
+        hits.append(best)
+    return hits
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (checkpoint dir, HF greedy tokens of shared_prompts(5)), each built once when first asked."""
+    built: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[str, list[list[int]]]:
+        if name not in built:
+            family, mix = MODELS[name]
+            path = tmp_path_factory.mktemp(name)
+            prompts = shared_prompts(5)
+            if family == "dsv4":
+                hf = dsv4.build(path, 7, **dsv4.MIXES[mix])
+                want = [dsv4.hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+            else:
+                hf = qwen3_5._build(path, 7, **qwen3_5.MIXES[mix])
+                want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+            built[name] = str(path), want
+        return built[name]
+
+    return get
+
+
+CONFIGS = [(64, None), (4096, 19), pytest.param(7, None, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("budget,chunk", CONFIGS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_resumed_requests_give_hf_tokens(models, name, budget, chunk):
+    path, want = models(name)
+    kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
+    llm = LLM(path, num_kv_blocks=256, **kwargs)
+    outs = one_by_one(llm, shared_prompts(5))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats, kv = llm.stats, llm.engine.core.kv
+    interval = llm.engine.core.config.state_checkpoint_interval
+    assert interval == min(budget, chunk or budget) // 16 * 16
+    assert [o.num_cached_tokens for o in outs] == expected_hits(shared_prompts(5), interval)
+    assert kv.num_free_blocks == 256 and not kv.state_slots and not kv.pending and not kv.restores
+    assert stats.state_checkpoint_bytes == len(kv.checkpoints) * kv.checkpoints.bytes_each > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "dsv4_small_window"])
+def test_resumed_logprobs_equal_the_cold_run(models, name):
+    path, _ = models(name)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    warm = one_by_one(LLM(path, num_kv_blocks=256, max_num_batched_tokens=64), shared_prompts(5), params)
+    cold = one_by_one(LLM(path, num_kv_blocks=256, max_num_batched_tokens=64, enable_prefix_caching=False),
+                      shared_prompts(5), params)
+    assert sum(o.num_cached_tokens for o in warm) > 0
+    for w, c in ((w.outputs[0], c.outputs[0]) for w, c in zip(warm, cold)):
+        assert w.token_ids == c.token_ids
+        for lw, lc in zip(w.logprobs, c.logprobs):
+            assert lw.keys() == lc.keys()
+            assert all(abs(lw[t].logprob - lc[t].logprob) < 1e-4 for t in lw)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "dsv4_wide_window"])
+def test_eviction_of_checkpoints_and_of_kv(models, name):
+    """Two checkpoints and a pool that holds about two prompts: both are evicted again and again, and what
+    survives still resumes exactly."""
+    path, want = models(name)
+    llm = LLM(path, num_kv_blocks=32, max_num_batched_tokens=64, num_state_checkpoints=2)
+    assert [o.outputs[0].token_ids for o in one_by_one(llm, shared_prompts(5))] == want
+    stats, kv = llm.stats, llm.engine.core.kv
+    assert stats.state_checkpoints_evicted > 0 and kv.pool.num_evictions > 0
+    assert stats.prefix_cache_hit_requests > 0
+    assert kv.checkpoints.num_free + len(kv.checkpoints) == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "dsv4_hca_first"])
+def test_preemption_with_checkpoints(models, name):
+    """Prompts sharing prefixes, all at once, decoding 24 tokens on a pool too small for them: preemptions,
+    recomputation that hits the prefixes (its own and the others'), and the tokens of a cold run on a pool
+    that holds everything."""
+    path, _ = models(name)
+    prompts = shared_prompts(9, [(40, 8), (40, 20), (33, 10), (70, 3), (17, 30), (64, 1)])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cold = ladle_tokens(LLM(path, num_kv_blocks=256, enable_prefix_caching=False), prompts, params)
+    blocks = 12 if name.startswith("qwen") else 16
+    llm = LLM(path, num_kv_blocks=blocks, max_num_batched_tokens=64, max_prefill_length=19)
+    assert ladle_tokens(llm, prompts, params) == cold
+    assert llm.stats.num_preemptions > 0 and llm.stats.prefix_cache_hits > 0
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == blocks and not kv.pending
+    assert kv.checkpoints.num_free + len(kv.checkpoints) == kv.checkpoints.num_checkpoints
+
+
+def test_abort_mid_prefill_keeps_the_checkpoints_it_wrote(models):
+    path, want = models("dsv4_small_window")
+    llm = LLM(path, num_kv_blocks=256, max_num_batched_tokens=64)
+    core = llm.engine.core
+    prompts = shared_prompts(5)
+    core.add_request(core.make_requests("long", [prompts[1]], GREEDY)[0])
+    for _ in range(3):  # three 64-token chunks, each ending on a checkpoint; the third's pending at 192
+        core.step()
+    core.abort_requests(["long"])
+    kv = core.kv
+    assert len(kv.checkpoints) == 3 and not kv.pending and kv.checkpoints.num_free == kv.checkpoints.num_checkpoints - 3
+    out = one_by_one(llm, [prompts[6]])[0].outputs[0]  # shares 200 tokens: resumes at 192
+    assert out.token_ids == want[6] and llm.stats.prefix_cache_hits == 192
+
+
+def test_checkpoint_settings_are_honoured_or_refused(models, tiny_qwen3_dir):
+    path, _ = models("dsv4_small_window")
+    llm = LLM(path, num_kv_blocks=64, num_state_checkpoints=3, state_checkpoint_interval=32)
+    cfg = llm.engine.core.config
+    assert (cfg.num_state_checkpoints, cfg.state_checkpoint_interval) == (3, 32)
+    assert cfg.settings["num_state_checkpoints"].source == "explicit"
+    # A checkpoint holds the compressor state and a page per compressed layer's partly filled block.
+    layout = cfg.kv_layout
+    assert layout.checkpoint_bytes(16) > layout.state_bytes_per_request and "3 x" in cfg.report()
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        LLM(path, state_checkpoint_interval=40)
+    with pytest.raises(ValueError, match="prefix caching, which is off"):
+        LLM(path, num_state_checkpoints=4, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="keeps none: drop it"):
+        LLM(tiny_qwen3_dir, num_state_checkpoints=4)
