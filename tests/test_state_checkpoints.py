@@ -166,3 +166,44 @@ def test_checkpoint_settings_are_honoured_or_refused(models, tiny_qwen3_dir):
         LLM(path, num_state_checkpoints=4, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="keeps none: drop it"):
         LLM(tiny_qwen3_dir, num_state_checkpoints=4)
+
+
+def test_chat_marks_message_ends_so_an_edited_reply_reuses_what_precedes_it(models):
+    """An agent's next turn re-renders an earlier reply differently (its thinking dropped): the prompt diverges
+    inside that reply, before the last turn's prompt end, and no interval checkpoint lies before it. The
+    checkpoint at the end of the message before the reply is what the hit resumes from."""
+    path, _ = models("dsv4_small_window")
+    system = {"role": "system", "content": "You are a coding agent. " * 12}
+    user = {"role": "user", "content": "Fix the failing test in parser.py, please."}
+    turn_a = [system, user, {"role": "assistant", "content": "<think>the stack</think>Reading parser.py."},
+              {"role": "user", "content": "Here is the file."}]
+    turn_b = [system, user, {"role": "assistant", "content": "Reading parser.py."},
+              {"role": "user", "content": "Here is the file."}, {"role": "assistant", "content": "Done."},
+              {"role": "user", "content": "Thanks, now the docs."}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm = LLM(path, num_kv_blocks=256, max_num_batched_tokens=4096)
+    tok = llm.get_tokenizer()
+    end_of_user = len(tok.encode(tok.apply_chat_template([system, user], tokenize=False), add_special_tokens=False))
+    assert end_of_user > 32 and llm.engine.core.config.state_checkpoint_interval > 200
+    llm.chat(turn_a, params, use_tqdm=False)
+    warm = llm.chat(turn_b, params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == end_of_user // 16 * 16
+    cold = LLM(path, num_kv_blocks=256, enable_prefix_caching=False).chat(turn_b, params, use_tqdm=False)[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_the_server_marks_the_same_message_ends_as_the_offline_chat(models):
+    from transformers import AutoTokenizer
+
+    from ladle.entrypoints.openai.serving_chat import _prompt_ids
+    from ladle.serving.messages import AddRequest
+
+    path, _ = models("dsv4_small_window")
+    tok = AutoTokenizer.from_pretrained(path)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
+    ids, marks = _prompt_ids(tok, conv, True, mark=True)
+    heads = [tok.encode(tok.apply_chat_template(conv[:n], tokenize=False), add_special_tokens=False) for n in (1, 2, 3)]
+    assert marks == tuple(len(h) for h in heads) and all(ids[: len(h)] == h for h in heads)
+    assert _prompt_ids(tok, conv, True) == (ids, ())
+    assert AddRequest("r", [ids], GREEDY, marks).checkpoint_marks == marks

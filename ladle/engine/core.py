@@ -107,13 +107,18 @@ class EngineCore:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         return Request(request_id, list(prompt_token_ids), params, max_tokens, stop_ids)
 
-    def make_requests(self, parent_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    def make_requests(self, parent_id: str, prompts: list[list[int]], params: SamplingParams,
+                      checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:
         """The one request factory: a user request's children (n per prompt, ids by child_request_ids), each
-        checked so it can run. Raises ValueError (RequestRejected) naming what to change."""
+        checked so it can run. checkpoint_marks: where a one-prompt request's messages end (state models
+        checkpoint there). Raises ValueError (RequestRejected) naming what to change."""
         n = params.n
         ids = child_request_ids(parent_id, len(prompts) * n)
         reqs = [self.make_request(ids[p * n + i], prompt, params.for_child(i))
                 for p, prompt in enumerate(prompts) for i in range(n)]
+        if len(prompts) == 1:
+            for req in reqs:
+                req.checkpoint_marks = tuple(checkpoint_marks)
         for req in reqs[::n]:  # siblings share what the check reads: prompt, max_tokens, priority
             self.check_request(req)
         return reqs

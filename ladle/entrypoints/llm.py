@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from ladle.config import EngineArgs
 from ladle.frontend.llm_engine import LLMEngine, PromptType
+from ladle.frontend.message_marks import message_ends
 from ladle.engine.stats import EngineStats
 from ladle.outputs import RequestOutput
 from ladle.sampling_params import SamplingParams
@@ -70,6 +71,12 @@ class LLM:
         All prompts are checked before any work starts: if one can never fit
         (prompt + max_tokens > max_model_len, or more KV than the whole pool), the call raises ValueError
         naming that prompt and runs nothing."""
+        return self._generate(prompts, sampling_params, use_tqdm, priority)
+
+    def _generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams |
+                  Sequence[SamplingParams] | None, use_tqdm: bool | Callable[..., tqdm], priority: Sequence[int] | None,
+                  marks: Sequence[tuple[int, ...]] | None = None) -> list[RequestOutput]:
+        """generate, with chat's message ends per prompt (marks) for a state model's checkpoints."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -91,7 +98,7 @@ class LLM:
             text, ids = self.engine.tokenize(prompt)
             rid = str(self._next_id + i)
             try:
-                reqs = self.engine.make_requests(rid, ids, params)
+                reqs = self.engine.make_requests(rid, ids, params, marks[i] if marks else ())
             except ValueError as e:
                 e.args = (f"prompt {i}: {e}",)  # keeps the type and its fields (code, field)
                 raise
@@ -116,11 +123,19 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts: list[PromptType] = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+        marks: list[tuple[int, ...]] = []
+
+        def render(conv: Sequence[dict], generation_prompt: bool) -> tuple[str, list[int]]:
+            text = tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
                                            chat_template=chat_template)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            return text, tok.encode(text, add_special_tokens=False)
+
+        for conv in conversations:
+            text, ids = render(conv, add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            marks.append(message_ends(conv, ids, lambda head: render(head, False)[1])
+                         if self.engine.core.kv.checkpointing else ())
+        return self._generate(prompts, sampling_params, use_tqdm, None, marks)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Step until every request is done. The bar counts finished prompts and, after every step, the

@@ -37,9 +37,10 @@ class LLMEngine:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError(f"a prompt is a str, {{'prompt_token_ids': [...]}} or {{'prompt': str}}; got {type(prompt).__name__}")
 
-    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:
         """The core requests for one user request (n of them for n > 1), checked so that they can run."""
-        return self.core.make_requests(request_id, [prompt_token_ids], params)
+        return self.core.make_requests(request_id, [prompt_token_ids], params, checkpoint_marks)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, requests: list[Request] | None = None) -> None:

@@ -115,7 +115,8 @@ class AsyncEngineClient:
             raise self.unavailable_error()
         return proc
 
-    async def add_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestHandle:
+    async def add_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                          checkpoint_marks: tuple[int, ...] = ()) -> RequestHandle:
         """Submit one API request: n engine requests per prompt (all or none; ids by child_request_ids);
         returns once the engine accepted them. Raises RequestRejected (bad request, queue full),
         EngineUnavailableError or EngineDeadError."""
@@ -127,7 +128,7 @@ class AsyncEngineClient:
         self._requests[request_id] = handle
         for cid in handle.child_ids:
             self._child_to_parent[cid] = request_id
-        proc.send(AddRequest(request_id, prompts, params))
+        proc.send(AddRequest(request_id, prompts, params, checkpoint_marks))
         try:
             await handle.accepted
         except asyncio.CancelledError:

@@ -117,7 +117,7 @@ class EngineLoop:
     def _handle(self, msg: ToEngine | _ReceiveFailed) -> bool:
         """Apply one message; False means shut down."""
         if isinstance(msg, AddRequest):
-            self._add(msg.parent_id, [list(p) for p in msg.prompts], msg.params)
+            self._add(msg.parent_id, [list(p) for p in msg.prompts], msg.params, msg.checkpoint_marks)
         elif isinstance(msg, AbortRequests):
             outputs = self.core.abort_requests(list(msg.child_ids))
             if outputs:
@@ -130,14 +130,14 @@ class EngineLoop:
             logger.error("unknown message %r from the API process; ignored", type(msg).__name__)
         return True
 
-    def _add(self, parent_id: str, prompts: list[list[int]], params: Any) -> None:
+    def _add(self, parent_id: str, prompts: list[list[int]], params: Any, marks: tuple[int, ...] = ()) -> None:
         """All children of one API request are admitted together, or none is."""
         if self.max_queue_len is not None and self.core.snapshot().num_waiting >= self.max_queue_len:
             self.send(Rejected(parent_id, "queue_full",
                                f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
             return
         try:
-            requests = self.core.make_requests(parent_id, prompts, params)
+            requests = self.core.make_requests(parent_id, prompts, params, marks)
         except RequestRejected as e:
             self.send(Rejected(parent_id, e.code, str(e)))
             return
@@ -187,7 +187,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
     core.model_executor.on_failure(_exit_on_rank_death)
     cfg = core.config
     conn.send(Ready(EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
-                               core.hf_config.vocab_size, cfg.table())))
+                               core.hf_config.vocab_size, cfg.table(), core.kv.checkpointing)))
     try:
         EngineLoop(core, conn, max_queue_len).run()
         core.shutdown()

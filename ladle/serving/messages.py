@@ -16,6 +16,7 @@ class EngineInfo:
     block_size: int
     vocab_size: int
     config_table: str
+    checkpointing: bool = False  # prefix hits need state checkpoints: chat prompts' message ends are worth marking
 
 
 # API -> engine
@@ -27,6 +28,7 @@ class AddRequest:
     parent_id: str
     prompts: tuple[tuple[int, ...], ...] | list[list[int]]
     params: SamplingParams
+    checkpoint_marks: tuple[int, ...] = ()  # where a chat prompt's messages end (ladle.frontend.message_marks)
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,11 @@ class GenerationStream:
     """One API request in the engine: n choices per prompt, each an engine request of its own (a child)."""
 
     def __init__(self, client: AsyncEngineClient, tokenizer: Any, texts: TokenTexts, metrics: ServerMetrics,
-                 request_id: str, prompts: list[list[int]], params: SamplingParams) -> None:
+                 request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 checkpoint_marks: tuple[int, ...] = ()) -> None:
         self.client, self.texts, self.metrics = client, texts, metrics  # texts: for the endpoints' logprobs
         self.request_id, self.prompts, self.params = request_id, prompts, params
+        self.checkpoint_marks = checkpoint_marks
         self.arrival = time.monotonic()
         self.first_token_seen = False
         # Named as the engine names them.
@@ -108,7 +110,8 @@ class GenerationStream:
     async def start(self) -> None:
         """Submit to the engine; raises OpenAIError if it will not take the request."""
         try:
-            self._handle = await self.client.add_request(self.request_id, self.prompts, self.params)
+            self._handle = await self.client.add_request(self.request_id, self.prompts, self.params,
+                                                         self.checkpoint_marks)
         except RequestRejected as e:
             status = {"queue_full": 429, "internal_error": 500}.get(e.code, 400)
             raise OpenAIError(status, str(e), code=e.code) from None

@@ -12,16 +12,18 @@ from ladle.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
     ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
 )
+from ladle.frontend.message_marks import LAST_MESSAGES, message_ends
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
 from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
 
 
-def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                mark: bool = False) -> tuple[list[int], tuple[int, ...]]:
     """Render with the tokenizer's chat template and encode without adding special tokens again, as the
-    offline LLM.chat does, so one conversation gives the same tokens on both paths. Runs on a tokenizer
-    thread."""
+    offline LLM.chat does, so one conversation gives the same tokens on both paths; with mark, also where the
+    last messages end (ladle.frontend.message_marks). Runs on a tokenizer thread."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateSyntaxError as e:
@@ -34,7 +36,11 @@ def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
-    return ids
+    if not mark:
+        return ids, ()
+    return ids, message_ends(messages, ids, lambda head: tokenizer.encode(
+        tokenizer.apply_chat_template(list(head), tokenize=False, add_generation_prompt=False),
+        add_special_tokens=False))
 
 
 def chat_template_problem(tokenizer: Any) -> str | None:
@@ -70,10 +76,12 @@ class OpenAIServingChat:
             m.setdefault("content", "")
         chars = sum(len(m["content"]) if isinstance(m["content"], str) else sum(len(p["text"]) for p in m["content"])
                     for m in messages)
-        ids = await self.ctx.pool.run(lambda tok: _prompt_ids(tok, messages, req.add_generation_prompt), chars)
+        mark = self.ctx.checkpointing()
+        ids, marks = await self.ctx.pool.run(lambda tok: _prompt_ids(tok, messages, req.add_generation_prompt, mark),
+                                             chars * (1 + mark * LAST_MESSAGES))
         self.ctx.check_prompt_length(len(ids), "messages")
         self.ctx.check_logprobs(params, [len(ids)], "top_logprobs")
-        stream = self.ctx.stream(f"chatcmpl-{uuid.uuid4().hex}", [ids], params)
+        stream = self.ctx.stream(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, marks)
         await stream.start()
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -45,8 +45,15 @@ class ServingContext:
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
 
-    def stream(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> GenerationStream:
-        return GenerationStream(self.client, self.tokenizer, self.texts, self.metrics, request_id, prompts, params)
+    def stream(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               checkpoint_marks: tuple[int, ...] = ()) -> GenerationStream:
+        return GenerationStream(self.client, self.tokenizer, self.texts, self.metrics, request_id, prompts, params,
+                                checkpoint_marks)
+
+    def checkpointing(self) -> bool:
+        """Whether the engine keeps state checkpoints, so marking where messages end pays."""
+        info = self.client.info
+        return info is not None and info.checkpointing
 
     def vocab_size(self) -> int:
         """The served model's vocabulary size; 503 while no engine is ready (no point tokenizing then)."""
