@@ -207,3 +207,21 @@ def test_the_server_marks_the_same_message_ends_as_the_offline_chat(models):
     assert marks == tuple(len(h) for h in heads) and all(ids[: len(h)] == h for h in heads)
     assert _prompt_ids(tok, conv, True) == (ids, ())
     assert AddRequest("r", [ids], GREEDY, marks).checkpoint_marks == marks
+
+
+@pytest.mark.slow
+def test_seed_b_a_16k_prompt_after_a_7900_token_prefix_computes_only_the_rest(models):
+    """The second field report's case on a tiny DeepSeek-V4: another request prefilled the first 7.9K tokens,
+    so the 16K-token prompt computes at most 8.2K, and its tokens are the cold run's."""
+    path, _ = models("dsv4_small_window")
+    rng = random.Random(16)
+    prompt = [rng.randrange(512) for _ in range(16_000)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(path, num_kv_blocks=2600, max_num_batched_tokens=2048)
+    llm.generate({"prompt_token_ids": prompt[:7_900]}, params, use_tqdm=False)
+    before = llm.stats.prompt_tokens
+    warm = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert llm.stats.prompt_tokens - before <= 8_200 and warm.num_cached_tokens == 7_888
+    cold = LLM(path, num_kv_blocks=2600, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    assert warm.outputs[0].token_ids == cold.generate({"prompt_token_ids": prompt}, params,
+                                                      use_tqdm=False)[0].outputs[0].token_ids
