@@ -20,7 +20,9 @@ BASE = 400
 # and an HCA group (16 or 32), past the window; the whole base, and the base less its last token.
 SHAPES = [(BASE, 0), (BASE, 40), (47, 3), (64, 9), (65, 30), (130, 20), (200, 7), (131, 90), (BASE - 1, 5)]
 MODELS = {"qwen3_5": ("qwen3_5", "gqa"), "qwen3_5_moe": ("qwen3_5", "moe"), **{
-    f"dsv4_{mix}": ("dsv4", mix) for mix in dsv4.MIXES}}
+    f"dsv4_{mix}": ("dsv4", mix) for mix in dsv4.MIXES}, "dsv4_rate128": ("dsv4", "rate128")}
+# The release's rates (4 and 128): every hit below 2,048 tokens lies inside the HCA group's first block.
+DSV4_MIXES = dsv4.MIXES | {"rate128": dsv4.MIXES["small_window"] | {"compress_rates": {dsv4.CSA: 4, dsv4.HCA: 128}}}
 
 
 def shared_prompts(seed: int, shapes: list[tuple[int, int]] = SHAPES) -> list[list[int]]:
@@ -60,7 +62,7 @@ def models(tmp_path_factory):
             path = tmp_path_factory.mktemp(name)
             prompts = shared_prompts(5)
             if family == "dsv4":
-                hf = dsv4.build(path, 7, **dsv4.MIXES[mix])
+                hf = dsv4.build(path, 7, **DSV4_MIXES[mix])
                 want = [dsv4.hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
             else:
                 hf = qwen3_5._build(path, 7, **qwen3_5.MIXES[mix])
@@ -225,3 +227,25 @@ def test_seed_b_a_16k_prompt_after_a_7900_token_prefix_computes_only_the_rest(mo
     cold = LLM(path, num_kv_blocks=2600, max_num_batched_tokens=2048, enable_prefix_caching=False)
     assert warm.outputs[0].token_ids == cold.generate({"prompt_token_ids": prompt}, params,
                                                       use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_sliding_window_hit_needs_only_the_blocks_its_window_reads(tmp_path):
+    """Mistral, window 32: after the prompt's head blocks were evicted, a prompt sharing 290 tokens still
+    resumes at 288, from the two blocks its window reads, and gives the cold run's tokens."""
+    from ladle.demo import build_checkpoint
+    from ladle.kv_cache.prefix_tree import BlockTokens
+
+    path = build_checkpoint(tmp_path, "mistral", sliding_window=32, seed=3)
+    rng = random.Random(2)
+    a = [rng.randrange(500) for _ in range(300)]
+    b = a[:290] + [rng.randrange(500) for _ in range(20)]
+    others = [[rng.randrange(500) for _ in range(200)]]
+    llm = LLM(path, num_kv_blocks=24, max_num_batched_tokens=64)
+    one_by_one(llm, [a, *others])
+    kv = llm.engine.core.kv
+    head = kv.tree.walk([BlockTokens(tuple(a[:16]), hash(tuple(a[:16])))])
+    assert kv.pool.num_evictions > 0 and kv.pool.get_cached_block((head[0], 0)) is None  # the head is gone
+    warm = one_by_one(llm, [b])[0]
+    assert warm.num_cached_tokens == 288
+    cold = one_by_one(LLM(path, num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=False), [b])[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
