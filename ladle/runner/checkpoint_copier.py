@@ -23,26 +23,26 @@ class CheckpointCopier:
         self.tails = tails
         self.first_checkpoint = first_checkpoint
 
-    @torch.inference_mode()
     def restore(self, copy: CheckpointCopy) -> None:
         """The checkpoint's state into the request's slot, its tail pages into the request's fresh blocks."""
-        for t in self.state_tensors:
-            t[copy.state_slot] = t[copy.checkpoint]
-        row = copy.checkpoint - self.first_checkpoint
-        for g, block in enumerate(copy.tail_blocks):
-            if block >= 0:
-                for layer in self.group_layers[g]:
-                    self.kv_caches[layer][0][block] = self.tails[layer][row]
+        self._copy(copy, restore=True)
+
+    def save(self, copy: CheckpointCopy) -> None:
+        self._copy(copy, restore=False)
 
     @torch.inference_mode()
-    def save(self, copy: CheckpointCopy) -> None:
+    def _copy(self, copy: CheckpointCopy, restore: bool) -> None:
+        src, dst = (copy.checkpoint, copy.state_slot) if restore else (copy.state_slot, copy.checkpoint)
         for t in self.state_tensors:
-            t[copy.checkpoint] = t[copy.state_slot]
+            t[dst] = t[src]
         row = copy.checkpoint - self.first_checkpoint
         for g, block in enumerate(copy.tail_blocks):
-            if block >= 0:
-                for layer in self.group_layers[g]:
-                    self.tails[layer][row] = self.kv_caches[layer][0][block]
+            for layer in self.group_layers[g] if block >= 0 else ():
+                page, tail = self.kv_caches[layer][0], self.tails[layer]
+                if restore:
+                    page[block] = tail[row]
+                else:
+                    tail[row] = page[block]
 
     def save_after(self, specs: list[ChunkSpec]) -> None:
         """The saves of the chunks a forward just ran (a step split for a retry saves with each part)."""
