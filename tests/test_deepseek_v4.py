@@ -133,7 +133,8 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
     assert "sliding window" in report and "key = value" in report
     assert "compressed_sparse_attention compressor state" in report
     cache = config.settings["enable_prefix_caching"]
-    assert cache.value is False and cache.source == "derived" and "state snapshots" in cache.reason
+    # Prefix caching stays on: hits resume from state checkpoints (tests/test_state_checkpoints.py).
+    assert cache.value is True and config.num_state_checkpoints > 0 and "state checkpoints" in report
     # The window is paged and K=V: one tensor per layer, so a token costs head_dim floats in each layer.
     spec = config.kv_layout.groups[0].spec
     layers = len(MIXES["small_window"]["layer_types"])
@@ -157,8 +158,8 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
     # 300 tokens: 75 CSA entries in 5 blocks, 18 HCA entries in 2, 75 keys in 3; the window (8 tokens) only
     # the blocks of a 64-token chunk and the 7 tokens before it.
     assert held[-1][1:] == [5, 2, 3] and max(h[0] for h in held) <= -(-(7 + 64) // 16) + 1
-    with pytest.raises(ValueError, match="enable_prefix_caching cannot be used with this model"):
-        LLM(path, num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=True)
+    explicit = LLM(path, num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=True).engine.core.config
+    assert explicit.settings["enable_prefix_caching"].source == "explicit" and explicit.num_state_checkpoints > 0
 
 
 def test_ties_at_the_kth_score_go_to_the_earliest_entry():
@@ -176,8 +177,9 @@ def test_ties_at_the_kth_score_go_to_the_earliest_entry():
 @pytest.mark.slow
 def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(tmp_path):
     """The second seed report's prompts on a tiny DeepSeek-V4 with its real compression rates (4 and 128):
-    --max-prefill-length 8192 splits them 8192/8192/6541 and 8192 x4 + 2174, the compressors' state carried
-    across every split, and the tokens equal one pass over each whole prompt."""
+    --max-prefill-length 8192 splits them 8192/8192/6541 and 8192 x4 + 2174 (each last chunk split once more at
+    the prompt's last block boundary, where prefix caching checkpoints the state), the compressors' state
+    carried across every split, and the tokens equal one pass over each whole prompt."""
     build(tmp_path, 3, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], sliding_window=32,
           index_topk=16, compress_rates={CSA: 4, HCA: 128}, hidden_size=32, num_attention_heads=2, q_lora_rank=32,
           o_groups=1, max_position_embeddings=36000)
@@ -186,9 +188,9 @@ def test_seed_b_on_deepseek_v4_explicit_chunk_is_honoured_and_output_unchanged(t
     chunked = LLM(str(tmp_path), max_prefill_length=8192)
     assert chunked.config.settings["max_prefill_length"].source == "explicit"
     got = [chunked.generate(p, params, use_tqdm=False)[0] for p in prompts]  # one at a time, as in the report
-    assert got[0].outputs[0].prefill_chunks == [8192, 8192, 6541]
-    assert got[1].outputs[0].prefill_chunks == [8192] * 4 + [2174]
-    single = LLM(str(tmp_path), max_num_batched_tokens=34944, max_prefill_length=34944)
+    assert got[0].outputs[0].prefill_chunks == [8192, 8192, 6528, 13]
+    assert got[1].outputs[0].prefill_chunks == [8192] * 4 + [2160, 14]
+    single = LLM(str(tmp_path), max_num_batched_tokens=34944, max_prefill_length=34944, enable_prefix_caching=False)
     want = [single.generate(p, params, use_tqdm=False)[0] for p in prompts]
     assert want[1].outputs[0].prefill_chunks == [34942]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -204,10 +206,11 @@ def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_p
 
     build(tmp_path, 3, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], sliding_window=32,
           index_topk=16, compress_rates={CSA: 4, HCA: 128}, max_position_embeddings=4096)
-    inp = LLM(str(tmp_path), max_num_batched_tokens=64).config.plan.inputs
+    # Without prefix caching: its state checkpoints take a share of the budget, and this is about the profile.
+    inp = LLM(str(tmp_path), max_num_batched_tokens=64, enable_prefix_caching=False).config.plan.inputs
     budget = (inp.weights + 8 * 2**20 + inp.state_bytes + inp.request_blocks(4096, 1536) * inp.block_bytes
               + inp.activation.predict(1536, 4096))
-    llm = LLM(str(tmp_path), memory_budget=budget)
+    llm = LLM(str(tmp_path), memory_budget=budget, enable_prefix_caching=False)
     step = llm.config.max_num_batched_tokens
     assert llm.config.settings["max_num_batched_tokens"].source == "derived" and 1024 < step < 2048
     held = {t.data_ptr(): t for cache in llm.engine.core.model_executor.runner.kv_caches for t in cache}  # pool and state slots
@@ -219,4 +222,4 @@ def test_the_plan_covers_the_indexer_and_refuses_a_chunk_that_does_not_fit(tmp_p
     assert inp.weights + kv + peak < budget
     with pytest.raises(ValueError, match=r"max_prefill_length=2536 does not fit.*the largest max_prefill_length "
                                          r"that fits is 1\d\d\d"):
-        LLM(str(tmp_path), memory_budget=budget, max_prefill_length=2536)
+        LLM(str(tmp_path), memory_budget=budget, max_prefill_length=2536, enable_prefix_caching=False)
