@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 
 from ladle.startup.engine_config import EngineConfig
 from ladle.engine.admission import check_admissible
-from ladle.engine.checkpoint_positions import next_checkpoint
+from ladle.engine.checkpoint_positions import checkpoint_at, with_checkpoint
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.fair_shares import fair_shares
+from ladle.engine.prefix_wait import prefix_in_flight
 from ladle.engine.stats import EngineStats
 from ladle.engine.stop_check import check_stop
 from ladle.startup.partial_prefill import default_limits
@@ -116,13 +117,11 @@ class Scheduler:
             if s.is_prefill:
                 self._log_chunk(s)
                 if self.kv.checkpointing:
-                    out.scheduled[i] = self._with_checkpoint(s)
+                    out.scheduled[i] = with_checkpoint(self.kv, self.config.state_checkpoint_interval, s)
         return out
 
     def _checkpoint_at(self, req: Request, start: int) -> int | None:
-        if not self.kv.checkpointing:
-            return None
-        return next_checkpoint(req, start, self.config.state_checkpoint_interval, self.kv.block_size)
+        return checkpoint_at(self.kv, self.config.state_checkpoint_interval, req, start)
 
     def _demand(self, req: Request, start: int) -> int:
         """The most tokens req's next chunk from start may take: to its end, within the chunk cap, and no
@@ -130,18 +129,10 @@ class Scheduler:
         end = self._checkpoint_at(req, start) or req.num_tokens
         return min(end - start, self.config.max_prefill_length)
 
-    def _with_checkpoint(self, s: ScheduledRequest) -> ScheduledRequest:
-        """s saving its request's state where it ends, if that is a checkpoint position (and a slot is free)."""
-        end = s.start_pos + s.num_new_tokens
-        if self._checkpoint_at(s.request, s.start_pos) != end:
-            return s
-        copy = self.kv.plan_checkpoint(s.request.request_id, end)
-        return s if copy is None else replace(s, checkpoint=copy)
-
     def _candidates(self, num_prefills: int, num_long: int) -> list[_Candidate]:
         """Waiting requests that may start beside the running prefills, in queue order: within the partial-
         prefill caps and max_num_seqs; a long one over the long cap, or one whose prefix a running request is
-        about to write (_prefix_in_flight), is passed over and keeps its place."""
+        about to write (ladle.engine.prefix_wait), is passed over and keeps its place."""
         room = min(self.limits.max_num_partial_prefills - num_prefills, self.config.max_num_seqs - len(self.running))
         found: list[_Candidate] = []
         for req in self.waiting:
@@ -251,29 +242,8 @@ class Scheduler:
                                 prefill_chunks=req.prefill_chunks)
 
     def _prefix_in_flight(self, req: Request, num_cached: int, starting: list[Request]) -> bool:
-        """True when a running or starting request has yet to write the next block of req's prefix that req
-        could reuse.
-
-        Waiting for it (one step, or until that request's chunked prefill passes the block) beats computing
-        the same KV twice. This is how n > 1 siblings, admitted together, share their prompt: the first
-        prefills it, the others follow a step later and hit its blocks. Requests behind a deferred one may
-        be admitted meanwhile; the deferred one keeps its place at the head of the queue. (On a model with
-        state checkpoints the other request's chunk ends at the same checkpoint positions, so the wait is one
-        chunk.)
-        """
-        if not self.kv.enable_caching:
-            return False
-        # Where checkpoints are needed, the next hit req could get is at its next checkpoint position.
         end = self._checkpoint_at(req, num_cached) or num_cached + self.kv.block_size
-        if end > req.num_tokens - 1:
-            return False  # no further block of req would be reused: a hit stops before the last token
-        tokens = req.all_token_ids
-        for other in self.running + starting:
-            ids = other.all_token_ids
-            if (other.num_computed_tokens < end <= len(ids) and ids[num_cached:end] == tokens[num_cached:end]
-                    and ids[:num_cached] == tokens[:num_cached]):
-                return True
-        return False
+        return self.kv.enable_caching and prefix_in_flight(req, num_cached, end, self.running + starting)
 
     def _reserve(self, req: Request, n: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
         """Make room for n more tokens of req, preempting the newest unscheduled requests if needed."""
