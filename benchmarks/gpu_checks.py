@@ -114,7 +114,8 @@ def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, 
     torch reference otherwise; `fla` in the result says which) and a DeepSeek-V4 (its Triton attention
     kernel and the clamped fused MoE) through the CUDA engine with CUDA graphs (not for the hybrid and
     DeepSeek-V4, whose state layers derive them off), a 128-token step budget (so prompts prefill in
-    chunks beside decodes) and the eager engine, against HF's greedy loop."""
+    chunks beside decodes) and the eager engine, against HF's greedy loop; then prompts sharing the longest
+    prompt's head, one after another with prefix caching (the state models resume from state checkpoints)."""
     from ladle.models.ops import TritonOps
 
     hybrid = dict(arch="qwen3_5", layer_types=["linear_attention", "linear_attention", "linear_attention",
@@ -154,6 +155,11 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
         use_torch_kernels()  # fla's kernels, if importable, cannot run on a CPU
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     want = [_hf_greedy(hf, p, new, device) for p in prompts]
+    # Prefix hits: prompts sharing the longest prompt's head, each run after the ones before it (state models
+    # resume from state checkpoints).
+    longest = prompts[-1]
+    shared = [longest[:k] + [rng.randrange(8000) for _ in range(9)] for k in (len(longest) - 1, len(longest) // 2)]
+    want_shared = [_hf_greedy(hf, p, new, device) for p in shared]
     del hf
     res: dict[str, Any] = {"prompts": list(lengths), "new_tokens": new}
     # Graphs for decode-only steps and for steps with a prefill chunk of up to 64 tokens (the 37-token prompt
@@ -174,5 +180,12 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next engine measures free memory for its budget
-    res["ok"] = all(v["identical"] for v in res.values() if isinstance(v, dict))
+    args, explicit = EngineArgs.from_kwargs(model=str(path), device=str(device), dtype="float32",
+                                            max_num_batched_tokens=128, kv_cache_memory_bytes="1GiB")
+    core = EngineCore(args, explicit)
+    got = [_greedy_tokens(core, [p], new)[0] for p in [longest, *shared]]
+    res["prefix_hits"] = dict(identical=got == [want[-1], *want_shared], hit_tokens=core.stats.prefix_cache_hits,
+                              checkpoints=core.stats.state_checkpoints_stored)
+    del core
+    res["ok"] = all(v["identical"] for v in res.values() if isinstance(v, dict)) and res["prefix_hits"]["hit_tokens"] > 0
     return res

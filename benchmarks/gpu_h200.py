@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         run.section("kernel_check", 20, lambda: kernel_check(device, small=a.dry_run))
         run.section("ops_check", 10, lambda: ops_check(device, small=a.dry_run))
-        run.section("engine_vs_hf", 90, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
+        run.section("engine_vs_hf", 120, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
         free(device)  # the check sections' blocks, still reserved, would count against the engine's budget
         ladle_8b(run, a, s, shape8, workdir, ids)
         free(device)
