@@ -50,12 +50,6 @@ class PrefixTree:
         self._refs: dict[int, int] = {}
         self._next_id = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def find(self, parent: int, tokens: BlockTokens) -> int | None:
-        return self._ids.get(NodeKey(parent, tokens))
-
     def walk(self, keys: list[BlockTokens]) -> list[int]:
         """The nodes of the longest known prefix of these blocks."""
         nodes: list[int] = []

@@ -32,8 +32,9 @@ def resolve_checkpoints(args: EngineArgs, prov: Provenance, layout: KVCacheLayou
     if count < 1:
         why = (f"one state checkpoint ({format_bytes(each)}) does not fit in a 1/{SHARE} of the memory the weights "
                "leave, and a prefix hit on this model must restore its state from one")
-        if "enable_prefix_caching" in prov.explicit:
-            raise ValueError(f"enable_prefix_caching cannot be used here: {why}; drop it or raise memory_budget")
+        for name in ("enable_prefix_caching", *named):
+            if name in prov.explicit:
+                raise ValueError(f"{name} cannot be used here: {why}; drop it or raise memory_budget")
         prov.put("enable_prefix_caching", False, why)
         return 0, False
     why = (f"{PER_REQUEST} per running request" if count == PER_REQUEST * args.max_num_seqs else
