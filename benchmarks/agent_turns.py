@@ -6,10 +6,12 @@ and 300-1,500 tokens of new tool output appended, and decodes a short reply. Cac
 only what is new (the reply and the tool output, plus less than a block), and its TTFT should stay flat as the
 conversation grows; caching off, every turn recomputes everything. Three tiny random-weight models (fp32, CPU):
 Qwen3 (attention only), Qwen3.5 (Gated DeltaNet + attention: hits resume from state checkpoints) and
-DeepSeek-V4 (sliding window + compressed KV + compressor state).
+DeepSeek-V4 (sliding window + compressed KV + compressor state). vLLM's CPU build runs the same conversation on
+Qwen3 in the same run (it serves neither of the other two on CPU); make its environment once with
+benchmarks/setup_vllm.sh. Every (engine, model, caching) runs in a fresh process (benchmarks/agent_turns_worker.py).
 
     python benchmarks/agent_turns.py --out benchmarks/results/agent_turns.json
-    python benchmarks/agent_turns.py --turns 4 --system 1000   # quick
+    python benchmarks/agent_turns.py --turns 4 --system 1000 --vllm-python ''   # quick, ladle only
 """
 from __future__ import annotations
 
@@ -17,12 +19,17 @@ import argparse
 import json
 import platform
 import random
+import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
-from ladle import LLM, SamplingParams
-from ladle.demo import build_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ladle.demo import build_checkpoint  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "agent_turns_worker.py"
+VLLM_MODELS = ("qwen3",)  # what vLLM's CPU build serves of MODELS
 
 SW, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 MODELS = {
@@ -49,22 +56,13 @@ def conversation(turns: int, system: int, vocab: int, seed: int) -> tuple[list[i
             [[rng.randrange(vocab) for _ in range(rng.randrange(300, 1501))] for _ in range(turns)])
 
 
-def run_turns(llm: LLM, system: list[int], tools: list[list[int]], reply_tokens: int) -> list[dict]:
-    params = SamplingParams(temperature=0, max_tokens=reply_tokens, ignore_eos=True)
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    context, rows = list(system), []
-    for turn, tool in enumerate(tools):
-        new = len(context) - (rows[-1]["prompt"] if rows else 0) + len(tool)
-        context += tool
-        before = llm.stats.prompt_tokens
-        start = time.perf_counter()
-        llm.generate({"prompt_token_ids": context}, first, use_tqdm=False)  # the first token: TTFT
-        ttft = time.perf_counter() - start
-        computed = llm.stats.prompt_tokens - before
-        reply = llm.generate({"prompt_token_ids": context}, params, use_tqdm=False)[0]  # hits all but the tail
-        rows.append(dict(turn=turn, prompt=len(context), new=new, computed=computed, ttft_s=ttft))
-        context += reply.outputs[0].token_ids
-    return rows
+def run_worker(python: str, engine: str, model: Path, caching: str, workload: Path) -> dict[str, Any]:
+    out = subprocess.run([python, str(WORKER), "--engine", engine, "--model", str(model), "--caching", caching,
+                          "--workload", str(workload)], capture_output=True, text=True, timeout=7200)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"{engine} caching {caching} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> None:
@@ -73,24 +71,35 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=4000, help="system prompt + tools text, tokens")
     ap.add_argument("--reply", type=int, default=64, help="tokens the model replies each turn")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="'' to leave vLLM out")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: dict = {"machine": platform.processor() or platform.machine(), "turns": args.turns,
-                     "system": args.system, "reply": args.reply, "models": {}}
+                     "system": args.system, "reply": args.reply, "models": {}, "vllm": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        system, tools = conversation(args.turns, args.system, 500, seed=7)
+        workload = Path(tmp) / "workload.json"
+        workload.write_text(json.dumps({"system": system, "tools": tools, "reply": args.reply}))
         for name in args.models.split(","):
             spec = dict(MODELS[name])
             path = build_checkpoint(Path(tmp) / name, spec.pop("arch"), max_position_embeddings=32768, seed=1,
                                     **spec)
-            system, tools = conversation(args.turns, args.system, 500, seed=7)
-            for caching in (True, False):
-                llm = LLM(path, enable_prefix_caching=caching, max_model_len=32768)
-                rows = run_turns(llm, system, tools, args.reply)
-                results["models"].setdefault(name, {})["on" if caching else "off"] = rows
-                for r in rows:
-                    print(f"{name:12} caching {'on ' if caching else 'off'} turn {r['turn']:2} prompt {r['prompt']:6} "
-                          f"new {r['new']:5} computed {r['computed']:6} ttft {r['ttft_s'] * 1000:8.1f} ms", flush=True)
-                del llm
+            engines = [("ladle", sys.executable, results["models"])]
+            if args.vllm_python and name in VLLM_MODELS:
+                engines.append(("vllm", args.vllm_python, results["vllm"]))
+            for caching in ("on", "off"):
+                replies = {}
+                for engine, python, into in engines:  # interleaved, so drift on a shared machine hits both
+                    run = run_worker(python, engine, path, caching, workload)
+                    into.setdefault(name, {})[caching] = run["rows"]
+                    replies[engine] = run["replies"]
+                    for r in run["rows"]:
+                        print(f"{engine:5} {name:12} caching {caching:3} turn {r['turn']:2} prompt {r['prompt']:6} "
+                              f"new {r['new']:5} computed {r['computed']:6} ttft {r['ttft_s'] * 1000:8.1f} ms",
+                              flush=True)
+                if "vllm" in replies:
+                    same = sum(a == b for a, b in zip(replies["ladle"], replies["vllm"]))
+                    results["vllm"][name][f"replies_identical_{caching}"] = f"{same}/{len(replies['ladle'])}"
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
