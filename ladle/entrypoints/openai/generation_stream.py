@@ -17,7 +17,7 @@ from ladle.serving.async_client import AsyncEngineClient, EngineDeadError, Engin
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.frontend.child_state import ChildState, child_states
 from ladle.entrypoints.openai.metrics import ServerMetrics
-from ladle.entrypoints.openai.protocol import OpenAIError, UsageInfo, internal_error
+from ladle.entrypoints.openai.protocol import OpenAIError, PromptTokensDetails, UsageInfo, internal_error
 from ladle.outputs import Logprob
 from ladle.request import RequestRejected, child_request_ids
 from ladle.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if prev is None:
             merged[out.request_id] = EngineCoreOutput(out.request_id, list(out.new_token_ids),
                                                       list(out.new_logprobs), out.finish_reason, out.stop_reason,
-                                                      out.error)
+                                                      out.error, num_cached_tokens=out.num_cached_tokens)
         else:
             prev.new_token_ids.extend(out.new_token_ids)
             prev.new_logprobs.extend(out.new_logprobs)
@@ -97,6 +97,7 @@ class GenerationStream:
         self.checkpoint_marks = checkpoint_marks
         self.arrival = time.monotonic()
         self.first_token_seen = False
+        self.cached_tokens: dict[str, int] = {}  # per child: prompt tokens the prefix cache served it
         # Named as the engine names them.
         self.choices = child_states(ChoiceState, tokenizer, child_request_ids(request_id, len(prompts) * params.n),
                                     prompts, params)
@@ -131,7 +132,11 @@ class GenerationStream:
     def usage(self) -> UsageInfo:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        # Children of one prompt share it, so each prompt counts its best-served child (vLLM counts the first).
+        cached = sum(max((self.cached_tokens.get(c.child_id, 0) for c in self.choices if c.prompt_index == i),
+                         default=0) for i in range(len(self.prompts)))
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Yields what each slice of engine outputs added; raises OpenAIError if the engine dies."""
@@ -176,6 +181,8 @@ class GenerationStream:
             return None  # e.g. tokens that raced with our abort after a stop string
         if out.finish_reason == "error":
             raise OpenAIError(500, f"the engine failed this request: {out.error}", code="engine_error")
+        if out.num_cached_tokens is not None:
+            self.cached_tokens[ch.child_id] = out.num_cached_tokens
         now = time.monotonic()
         if out.new_token_ids:
             if not self.first_token_seen:
