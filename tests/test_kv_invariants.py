@@ -38,7 +38,7 @@ KINDS = {
 }
 
 
-def check_invariants(sched: Scheduler, num_slots: int) -> int:
+def check_invariants(sched: Scheduler, num_slots: int, seen: Counter[str]) -> int:
     """Asserts the bookkeeping holds; returns the table entries a sliding window has given back."""
     kv, pool = sched.kv, sched.kv.pool
     given_back = 0
@@ -76,6 +76,10 @@ def check_invariants(sched: Scheduler, num_slots: int) -> int:
     assert set(kv.pending) <= admitted, "a request that is not running holds a pending checkpoint"
     assert sorted(registered + pending + ck._free) == list(range(num_slots, num_slots + ck.num_checkpoints))
     assert all(kv.tree.refs(node) > 0 for node in ck._by_node), "a checkpoint under a dead prefix node"
+    assert set(kv.windows.by_node) == set(ck._by_node), "a checkpoint without its window list, or the reverse"
+    for node, blocks in kv.windows.by_node.items():  # a live checkpoint's window is still cached
+        assert all(pool.block_keys[b] is not None for b in blocks), "a checkpoint outlived a window block"
+    seen["window_blocks"] += sum(map(len, kv.windows.by_node.values()))
     for key in pool.cached_blocks:
         assert kv.tree.refs(key[0]) > 0, "a cached block under a dead prefix node"
     return given_back
@@ -118,12 +122,12 @@ def walk(kind: str, seed: int, num_ops: int = 400) -> Counter[str]:
             finished = [o for o in sched.update_from_output(out, sampled) if o.finish_reason is not None]
             seen["finished"] += len(finished)
             seen["step"] += 1
-        seen["given_back"] += check_invariants(sched, num_slots)
+        seen["given_back"] += check_invariants(sched, num_slots, seen)
     while sched.has_unfinished():  # drain: everything finishes and every block comes back
         out = sched.schedule()
         sched.update_from_output(out, {s.request.request_id: SampledToken(7, None)
                                        for s in out.scheduled if s.samples})
-        check_invariants(sched, num_slots)
+        check_invariants(sched, num_slots, seen)
     assert kv.num_free_blocks == BLOCKS and not kv.state_slots and not kv.pending and not kv.chains
     seen["checkpoints_evicted"] = kv.checkpoints.num_evicted
     return seen
@@ -142,3 +146,5 @@ def test_random_walk_keeps_the_kv_bookkeeping(kind, seed):
         assert seen["checkpoint_saves"] > 0 and seen["checkpoints_evicted"] > 0, seen
     if any(g.spec.sliding_window is not None for g in groups):
         assert seen["given_back"] > 0, seen
+    if kind == "compressed_cached":  # checkpoints read window blocks
+        assert seen["window_blocks"] > 0, seen

@@ -120,6 +120,27 @@ def test_eviction_of_checkpoints_and_of_kv(models, name):
     assert kv.checkpoints.num_free + len(kv.checkpoints) == 2
 
 
+def test_a_checkpoint_goes_with_a_window_block_its_hit_reads(models):
+    """DeepSeek-V4, window 40, on a pool of 28 blocks: an unrelated prompt after A evicts some of A's blocks, and
+    each checkpoint whose window lost a block goes with it (free slots remain, so nothing else evicted them);
+    every checkpoint left still has its window, and a prompt sharing A's prefix resumes from the deepest one."""
+    path, _ = models("dsv4_wide_window")
+    rng = random.Random(3)
+    a = [rng.randrange(512) for _ in range(200)]
+    other = [rng.randrange(512) for _ in range(200)]
+    b = a[:199] + [rng.randrange(512) for _ in range(20)]
+    llm = LLM(path, num_kv_blocks=28, max_num_batched_tokens=64)
+    one_by_one(llm, [a, other])
+    kv = llm.engine.core.kv
+    assert kv.pool.num_evictions > 0 and llm.stats.state_checkpoints_evicted > 0 and kv.checkpoints.num_free > 0
+    assert kv.windows.by_node.keys() == kv.checkpoints._by_node.keys()
+    assert all(kv.pool.block_keys[blk] is not None for blocks in kv.windows.by_node.values() for blk in blocks)
+    warm = one_by_one(llm, [b])[0]
+    assert warm.num_cached_tokens == 192
+    cold = one_by_one(LLM(path, num_kv_blocks=28, max_num_batched_tokens=64, enable_prefix_caching=False), [b])[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "dsv4_hca_first"])
 def test_preemption_with_checkpoints(models, name):
     """Prompts sharing prefixes, all at once, decoding 24 tokens on a pool too small for them: preemptions,
@@ -170,28 +191,67 @@ def test_checkpoint_settings_are_honoured_or_refused(models, tiny_qwen3_dir):
         LLM(tiny_qwen3_dir, num_state_checkpoints=4)
 
 
+SYSTEM = {"role": "system", "content": "You are a coding agent. " * 12}
+USER = {"role": "user", "content": "Fix the failing test in parser.py, please."}
+# An agent's next turn re-renders an earlier reply differently (its thinking dropped): the prompt diverges inside
+# that reply, before the last turn's prompt end, and no interval checkpoint lies before it.
+TURN_A = [SYSTEM, USER, {"role": "assistant", "content": "<think>the stack</think>Reading parser.py."},
+          {"role": "user", "content": "Here is the file."}]
+TURN_B = [SYSTEM, USER, {"role": "assistant", "content": "Reading parser.py."},
+          {"role": "user", "content": "Here is the file."}, {"role": "assistant", "content": "Done."},
+          {"role": "user", "content": "Thanks, now the docs."}]
+
+
+def end_of_user(tok) -> int:
+    return len(tok.encode(tok.apply_chat_template([SYSTEM, USER], tokenize=False), add_special_tokens=False))
+
+
 def test_chat_marks_message_ends_so_an_edited_reply_reuses_what_precedes_it(models):
-    """An agent's next turn re-renders an earlier reply differently (its thinking dropped): the prompt diverges
-    inside that reply, before the last turn's prompt end, and no interval checkpoint lies before it. The
-    checkpoint at the end of the message before the reply is what the hit resumes from."""
+    """The checkpoint at the end of the message before the re-rendered reply is what the hit resumes from."""
     path, _ = models("dsv4_small_window")
-    system = {"role": "system", "content": "You are a coding agent. " * 12}
-    user = {"role": "user", "content": "Fix the failing test in parser.py, please."}
-    turn_a = [system, user, {"role": "assistant", "content": "<think>the stack</think>Reading parser.py."},
-              {"role": "user", "content": "Here is the file."}]
-    turn_b = [system, user, {"role": "assistant", "content": "Reading parser.py."},
-              {"role": "user", "content": "Here is the file."}, {"role": "assistant", "content": "Done."},
-              {"role": "user", "content": "Thanks, now the docs."}]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm = LLM(path, num_kv_blocks=256, max_num_batched_tokens=4096)
-    tok = llm.get_tokenizer()
-    end_of_user = len(tok.encode(tok.apply_chat_template([system, user], tokenize=False), add_special_tokens=False))
-    assert end_of_user > 32 and llm.engine.core.config.state_checkpoint_interval > 200
-    llm.chat(turn_a, params, use_tqdm=False)
-    warm = llm.chat(turn_b, params, use_tqdm=False)[0]
-    assert warm.num_cached_tokens == end_of_user // 16 * 16
-    cold = LLM(path, num_kv_blocks=256, enable_prefix_caching=False).chat(turn_b, params, use_tqdm=False)[0]
+    mark = end_of_user(llm.get_tokenizer())
+    assert mark > 32 and llm.engine.core.config.state_checkpoint_interval > 200
+    llm.chat(TURN_A, params, use_tqdm=False)
+    warm = llm.chat(TURN_B, params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == mark // 16 * 16
+    cold = LLM(path, num_kv_blocks=256, enable_prefix_caching=False).chat(TURN_B, params, use_tqdm=False)[0]
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_server_reuses_what_precedes_an_edited_reply(models, tmp_path):
+    """The same two turns through /v1/chat/completions and the official client: the server marks the message
+    ends too, reports the hit as usage.prompt_tokens_details.cached_tokens and on /metrics, and answers as
+    the offline engine without a cache does."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from server_harness import ServerProcess, metric
+
+    path, _ = models("dsv4_small_window")
+    mark = end_of_user(AutoTokenizer.from_pretrained(path))
+    cold = LLM(path, num_kv_blocks=256, enable_prefix_caching=False).chat(
+        TURN_B, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    srv = ServerProcess(path, tmp_path, "--num-kv-blocks", "256", "--max-num-batched-tokens", "4096").start()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        extra = {"ignore_eos": True}
+        first = client.chat.completions.create(model=model, messages=TURN_A, max_tokens=3, temperature=0,
+                                               extra_body=extra)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        warm = client.chat.completions.create(model=model, messages=TURN_B, max_tokens=3, temperature=0,
+                                              extra_body=extra)
+        assert warm.usage.prompt_tokens_details.cached_tokens == mark // 16 * 16
+        assert warm.choices[0].message.content == cold.outputs[0].text
+        text = srv.metrics()
+        assert metric(text, "ladle:prefix_cache_hits_total") == mark // 16 * 16
+        assert metric(text, "ladle:state_checkpoints_stored_total") > 0
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 def test_the_server_marks_the_same_message_ends_as_the_offline_chat(models):

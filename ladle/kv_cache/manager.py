@@ -17,7 +17,8 @@ Invariants:
   in the checkpoint) with a state checkpoint there. Blocks and checkpoints are registered under prefix nodes
   (ladle.kv_cache.prefix_tree), so each is found without the others.
 - A checkpoint is registered only after the forward that reached its position has run and copied the state
-  (cache_full_blocks again); a request holds at most one pending checkpoint, freed with the request.
+  (cache_full_blocks again); a request holds at most one pending checkpoint, freed with the request. A
+  registered checkpoint is evicted with any window block its hit reads (ladle.kv_cache.checkpoint_windows).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
 from ladle.kv_cache.state_checkpoints import CheckpointCopy, StateCheckpoints
+from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 
 if TYPE_CHECKING:
     from ladle.request import Request
@@ -48,7 +50,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
-        self.pool = BlockPool(num_blocks, on_evict=self.tree.unref)
+        self.pool = BlockPool(num_blocks, on_evict=self._block_evicted)
+        self.windows = CheckpointWindows()
         specs = [g.spec for g in (groups or (paged_group(),))]
         self.groups = [GroupTables(s.sliding_window, s.compression, block_size) for s in specs]
         self.tables = tuple(g.tables for g in self.groups)
@@ -63,10 +66,20 @@ class KVCacheManager:
             raise ValueError("prefix caching on a model with per-request state or compressed KV groups needs "
                              "state checkpoints (num_checkpoints >= 1)")
         self.checkpoints = StateCheckpoints(num_checkpoints if self.checkpointing else 0, num_state_slots,
-                                            checkpoint_bytes, self.tree.unref)
+                                            checkpoint_bytes, self._checkpoint_gone)
         self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
         self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
         self.restores: dict[str, CheckpointCopy] = {}  # per admitted request: the checkpoint it resumes from
+
+    def _checkpoint_gone(self, node: int) -> None:
+        self.windows.drop(node)
+        self.tree.unref(node)
+
+    def _block_evicted(self, block: int, node: int) -> None:
+        """A checkpoint whose hit reads the block's window can serve none now: it goes too."""
+        for reader in self.windows.readers(block):
+            self.checkpoints.evict(reader)
+        self.tree.unref(node)
 
     @property
     def num_blocks(self) -> int:
@@ -255,6 +268,7 @@ class KVCacheManager:
             node = chain[saved.position // size - 1]
             if num_computed_tokens == saved.position and self.checkpoints.register(node, saved.checkpoint):
                 self.tree.ref(node)
+                self.windows.add(node, window_blocks(self.groups, self.pool, chain, saved.position, size))
             elif num_computed_tokens != saved.position:
                 self.checkpoints.release(saved.checkpoint)
 
@@ -276,7 +290,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and checkpoint; refused (False) while any block is in use."""
-        if not self.pool.reset_prefix_cache():
+        if any(self.pool.ref_counts):
             return False
         self.checkpoints.clear()
-        return True
+        return self.pool.reset_prefix_cache()

@@ -7,7 +7,8 @@ KV block size. A request that will end a chunk at a checkpoint position takes a 
 copies the request's state into it right after the forward that reached the position, and only then, as the
 step's output is read, is it registered under the prefix node of that position; a step that failed or fell
 short leaves it unregistered and the slot goes back. Registered checkpoints are evicted least recently used
-first when a pending one needs a slot; a checkpoint may go while its KV blocks stay.
+first when a pending one needs a slot, and with a window block their hit reads when the pool evicts it
+(ladle.kv_cache.checkpoint_windows); a checkpoint may go while its KV blocks stay.
 """
 from __future__ import annotations
 
@@ -67,6 +68,12 @@ class StateCheckpoints:
             self._on_evict(node)
             self._free.append(slot)
         return self._free.pop() if self._free else None
+
+    def evict(self, node: int) -> None:
+        """Evict the checkpoint of node now (a block its hit reads went)."""
+        self._free.append(self._by_node.pop(node))
+        self.num_evicted += 1
+        self._on_evict(node)
 
     def register(self, node: int, slot: int) -> bool:
         """Make a written pending slot the checkpoint of node; False (and the slot is freed) if node has one."""
