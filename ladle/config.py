@@ -57,6 +57,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None  # largest step (tokens) replayed from a graph; default 512
     cudagraph_mode: str | None = None  # FULL | FULL_DECODE_ONLY (CUDA); default FULL
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
+    quantization: str | None = None  # fp8; default: what the checkpoint's quantization_config says
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
     num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
@@ -102,6 +103,9 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={self.quantization!r}: ladle reads 'fp8' checkpoints (block-scaled "
+                             "e4m3); online quantization of unquantized weights is not implemented")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

@@ -70,6 +70,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="launch a decode step whose successor is certain before reading its tokens")
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
                    help="dummy: random weights from config.json alone, for benchmarks")
+    p.add_argument("--quantization", "-q", choices=("fp8",), default=S,
+                   help="the checkpoint's weight format (default: what its quantization_config says; a value that "
+                        "contradicts the checkpoint is refused)")
     p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="reuse the activation profile stored by an earlier start of the same model, dtype, "
                         "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
@@ -96,7 +99,7 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "num_state_checkpoints",
                "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
-               "cudagraph_mode", "async_scheduling", "load_format", "profile_cache", "num_threads", "attention_backend",
+               "cudagraph_mode", "async_scheduling", "load_format", "quantization", "profile_cache", "num_threads", "attention_backend",
                "tensor_parallel_size", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(

@@ -90,6 +90,7 @@ class DecoderForCausalLM(nn.Module):
 
     qk_norm: bool = False
     tensor_parallel: ClassVar[bool] = True  # shard() covers every layer (a subclass with others says False)
+    fp8_checkpoints: ClassVar[bool] = True  # every weight is an nn.Linear's (a subclass with others says False)
     # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
     cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
 
@@ -213,7 +214,14 @@ def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
         dest = dest if view is None else view(dest)
         if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+            what = "scale grid" if name.endswith("_scale_inv") else "checkpoint"
+            raise ValueError(f"{name}: {what} shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+        if name.endswith("_scale_inv") and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+            raise ValueError(f"{name} has scales that are not finite and positive (NaN, inf or <= 0): a broken "
+                             "export, which would turn the layer's outputs to NaN or zero")
+        if (dest.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+            raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} where the model holds {dest.dtype} (an FP8 "
+                             "tensor needs quantization_config, and a quantized layer FP8 values)")
         dest.copy_(tensor)
         if view is None:
             loaded.add(name)

@@ -82,6 +82,7 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
+    fp8_checkpoints: ClassVar[bool] = False  # the release's FP8 + MXFP4 files are not read yet
     cpu_kernels: tuple[str, str] | None = None  # it runs torch's kernels everywhere: no row in the table
 
     def __init__(self, config: Any) -> None:

@@ -14,6 +14,8 @@ from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
+from ladle.quantization.apply import checkpoint_dtypes, use_fp8_linears
+from ladle.quantization.config import quant_config_of
 
 _SINGLE_FILE = "model.safetensors"
 
@@ -99,10 +101,24 @@ def load_model(
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
     device = torch.device(device)
 
+    quant = quant_config_of(config)
+    if quant is not None and load_format == "dummy":
+        raise ValueError("load_format 'dummy' draws unquantized random weights; drop the checkpoint's "
+                         "quantization_config or load its files")
     # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
     slices = None
     with torch.device("meta"):
         model = model_cls(config)
+        if quant is not None:
+            if not model_cls.fp8_checkpoints:
+                raise ValueError(f"{model_cls.__name__} does not load FP8 checkpoints yet; use an unquantized "
+                                 "(bf16/fp32) checkpoint of it")
+            if tp.world_size > 1:
+                raise ValueError("tensor parallelism of FP8 checkpoints is not implemented yet; run it with "
+                                 "tensor_parallel_size 1")
+            if use_fp8_linears(model, quant, checkpoint_dtypes(files)) == 0:
+                raise ValueError(f"{model_dir}: quantization_config says fp8, but no linear layer's weight in the "
+                                 "checkpoint is FP8 e4m3")
         if tp.world_size > 1:
             if not model_cls.tensor_parallel:
                 raise ValueError(f"{model_cls.__name__} has no tensor-parallel form yet; run it with "
@@ -118,36 +134,47 @@ def load_model(
         init_dummy_weights(model, seed)
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
-        loaded = model.load_weights(
-            (name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-            for name, tensor in iter_weights(files, slices)
-        )
+        loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in iter_weights(files, slices))
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
+
     if device.type == "cpu":
         model.lay_out_for_cpu()
     return model.requires_grad_(False).eval(), config
 
 
+_UNQUANTIZED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unquantized weights in the model dtype; quantized values and their scales as the file has them (the
+    parameter they fill says what it takes)."""
+    keep = tensor.dtype not in _UNQUANTIZED or name.endswith("weight_scale_inv")
+    return tensor if keep or not tensor.is_floating_point() else tensor.to(dtype)
+
+
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Give each meta parameter and buffer empty storage on device, floating ones in dtype. The same as
-    model.to(dtype).to_empty(device), without the meta empty_like that imports sympy (1-2 s of a start)."""
+    """Give each meta parameter and buffer empty storage on device, floating ones in dtype (but those a module
+    names in keep_dtypes: quantized weights and their scales). The same as model.to(dtype).to_empty(device),
+    without the meta empty_like that imports sympy (1-2 s of a start)."""
     done: dict[int, torch.Tensor] = {}
 
-    def empty(t: torch.Tensor) -> torch.Tensor:
+    def empty(t: torch.Tensor, keep: bool) -> torch.Tensor:
         if id(t) not in done:
-            done[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            floating = t.is_floating_point() and not keep
+            done[id(t)] = torch.empty(t.shape, dtype=dtype if floating else t.dtype, device=device)
         return done[id(t)]
 
     for module in model.modules():
+        keep = getattr(module, "keep_dtypes", ())
         for name, p in module._parameters.items():
             if p is not None:
-                module._parameters[name] = nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                module._parameters[name] = nn.Parameter(empty(p, name in keep), requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None:
-                module._buffers[name] = empty(b)
+                module._buffers[name] = empty(b, name in keep)
 
 
 @torch.no_grad()

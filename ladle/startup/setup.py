@@ -26,6 +26,8 @@ from ladle.attention.backends import attention_groups, resolve_backend, select_b
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loader import load_config, load_model
+from ladle.quantization.apply import weights_format
+from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.model_runner import ModelRunner, allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
@@ -166,6 +168,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
     hf_config = load_config(args.model)
+    _, value, why = resolve_quantization(args.quantization, hf_config)
+    prov.put("quantization", value, "" if "quantization" in prov.explicit else why)
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
@@ -209,7 +213,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
                         args.max_num_seqs * layout.state_bytes_per_request, layout.compressions,
                         args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
-                        layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0)
+                        layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model))
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:

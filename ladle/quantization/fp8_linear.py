@@ -1,0 +1,68 @@
+"""A linear layer whose weight stays block-scaled FP8 in memory (e4m3 values, one fp32 scale per block).
+
+The checkpoint's own tensors are the parameters: `weight` [out, in] in float8_e4m3fn and `weight_scale_inv`
+[ceil(out / rows), ceil(in / cols)] in fp32, so the weights take a quarter of fp32's bytes. A forward
+dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
+dequantize does) and multiplies, so the workspace is one tile, never the layer or the model. A stacked layer
+(q/k/v, gate/up) fills its rows and its scale grid's rows from the checkpoint's parts; a part must start on the
+block grid, or its scales would cover two parts.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TILE_ROWS = 512  # output rows dequantized at once: 512 x in x 4 bytes of workspace
+
+
+class Fp8Linear(nn.Module):
+    keep_dtypes = ("weight", "weight_scale_inv")  # the loader's cast to the model dtype leaves these
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
+                 shards: dict[str, tuple[int, int]] | None = None) -> None:
+        """shards: for a stacked layer, checkpoint module name -> (first row, rows), in output order."""
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        rows, cols = block
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(-(-out_features // rows), -(-in_features // cols),
+                                                         dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.shards = shards or {}
+        for name, (start, _) in self.shards.items():
+            if start % rows:
+                raise ValueError(f"{name} starts at row {start} of a stacked FP8 layer, off the {rows}-row block "
+                                 "grid, so a scale block would cover two projections")
+
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        parent, rows = prefix.rsplit(".", 1)[0], self.block[0]
+        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for shard, (start, size) in self.shards.items():
+            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", lambda p, s=start, n=size: p.narrow(0, s, n))
+            views[f"{parent}.{shard}.weight_scale_inv"] = (
+                f"{prefix}.weight_scale_inv", lambda p, s=start // rows, n=-(-size // rows): p.narrow(0, s, n))
+            if self.bias is not None:
+                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", lambda p, s=start, n=size: p.narrow(0, s, n))
+        return views
+
+    def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of the weight in dtype; start is a multiple of the block's rows."""
+        rows, cols = self.block
+        scales = self.weight_scale_inv[start // rows : -(-stop // rows)]
+        scales = scales.repeat_interleave(rows, 0)[: stop - start].repeat_interleave(cols, 1)[:, : self.in_features]
+        return (self.weight[start:stop].float() * scales).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tile = max(self.block[0], TILE_ROWS // self.block[0] * self.block[0])
+        if self.out_features <= tile:
+            return F.linear(x, self.dequantized(0, self.out_features, x.dtype), self.bias)
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, self.out_features, tile):
+            stop = min(start + tile, self.out_features)
+            bias = None if self.bias is None else self.bias[start:stop]
+            out[..., start:stop] = F.linear(x, self.dequantized(start, stop, x.dtype), bias)
+        return out

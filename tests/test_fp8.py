@@ -1,0 +1,159 @@
+"""Block-scaled FP8 checkpoints (Qwen3's release format), kept FP8 in memory: greedy tokens equal HF
+transformers loading the same files dequantized, under chunked prefill and preemption; bad files fail at load
+with the tensor named; the setting and the plan say what the weights are."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fp8_checkpoints import hf_dequantized, quantize_block_fp8, write_fp8_checkpoint
+from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.demo import build_checkpoint
+from ladle.quantization.fp8_linear import Fp8Linear
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=512)  # every projection a whole number of 128 x 128 blocks, as in the releases
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def unquantized(tmp_path_factory) -> str:
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", **SHAPE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def fp8(unquantized, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(checkpoint, prompts, HF's greedy tokens on the dequantized files)."""
+    path = write_fp8_checkpoint(unquantized, tmp_path_factory.mktemp("qwen3_fp8"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (1, 7, 40, 130, 260)]
+    hf = hf_dequantized(path)
+    return path, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("budget,chunk", [(4096, None), (64, 19)])
+def test_fp8_greedy_equals_hf_dequantized(fp8, budget, chunk):
+    path, prompts, want = fp8
+    llm = LLM(path, num_kv_blocks=256, max_num_batched_tokens=budget,
+              **({"max_prefill_length": chunk} if chunk else {}))
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    layers = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 8 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)  # qkv, o, gate_up, down
+
+
+def test_fp8_under_preemption(fp8):
+    path, _, _ = fp8
+    rng = random.Random(1)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (30, 45, 60, 38, 52)]
+    hf = hf_dequantized(path)
+    assert_greedy_under_preemption(path, prompts, [hf_greedy(hf, p, 24) for p in prompts], 24, num_kv_blocks=12)
+
+
+def test_the_weights_stay_fp8_and_the_plan_says_so(fp8, unquantized):
+    path, _, _ = fp8
+    q, full = LLM(path, num_kv_blocks=64), LLM(unquantized, num_kv_blocks=64)
+    setting = q.engine.core.config.settings["quantization"]
+    assert (setting.value, setting.source) == ("fp8", "derived")
+    assert full.engine.core.config.settings["quantization"].value == "none"
+    report = q.engine.core.config.report()
+    assert "FP8 e4m3 + fp32 scales" in report and "in 8 linears" in report
+
+    def weight_bytes(llm: LLM) -> int:
+        return sum(t.numel() * t.element_size() for t in llm.engine.core.model_executor.runner.model.parameters())
+
+    # The projections take a byte a weight (plus a scale per 16K weights) against fp32's four.
+    assert weight_bytes(q) < 0.4 * weight_bytes(full)
+    assert LLM(path, num_kv_blocks=64, quantization="fp8").engine.core.config.settings["quantization"].source == \
+        "explicit"
+    with pytest.raises(ValueError, match="checkpoint is unquantized"):
+        LLM(unquantized, quantization="fp8")
+    with pytest.raises(ValueError, match="online quantization"):
+        LLM(unquantized, quantization="int4")
+
+
+def _break(tmp_path, unquantized, edit, **config) -> str:
+    return write_fp8_checkpoint(unquantized, tmp_path / "bad", edit=edit, **config)
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"][:, :1].contiguous()),
+     f"{Q}.weight_scale_inv: scale grid shape"),
+    (lambda t: t.pop(f"{Q}.weight_scale_inv"), f"no {Q}.weight_scale_inv"),
+    # E8M0 exponents (one byte a block) where the format stores fp32 scales: read as numbers they would be wrong.
+    (lambda t: t.__setitem__(f"{Q}.weight_scale_inv", torch.full_like(t[f"{Q}.weight_scale_inv"], 120,
+                                                                       dtype=torch.uint8)), "store these scales as F32"),
+    (lambda t: t[f"{Q}.weight_scale_inv"].view(-1)[0].fill_(float("nan")), f"{Q}.weight_scale_inv has scales that are not finite"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight", t["model.layers.1.mlp.up_proj.weight"].float()),
+     "only .*gate_proj.* are FP8"),
+])
+def test_bad_fp8_files_fail_at_load_naming_the_tensor(tmp_path, unquantized, edit, message):
+    path = _break(tmp_path, unquantized, edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, num_kv_blocks=16)
+
+
+def test_fp8_values_without_a_quantization_config_are_refused(tmp_path, unquantized):
+    import json
+    from pathlib import Path
+
+    path = write_fp8_checkpoint(unquantized, tmp_path / "q")
+    config = json.loads((Path(path) / "config.json").read_text())
+    del config["quantization_config"]
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="checkpoint dtype torch.float8_e4m3fn"):
+        LLM(path, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("fmt", "e5m2", "only 'e4m3'"), ("activation_scheme", "static", "only 'dynamic'"),
+    ("weight_block_size", None, "two positive ints"), ("kv_cache_scheme", "fp8", "does not implement"),
+])
+def test_quantization_config_fields_are_read_or_refused(tmp_path, unquantized, field, value, message):
+    import json
+    from pathlib import Path
+
+    path = write_fp8_checkpoint(unquantized, tmp_path / "q")
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(path, num_kv_blocks=16)
+
+
+def test_ragged_blocks_dequantize_by_their_own_scales():
+    """Shapes off the block grid (an edge block smaller than 128 x 128; HF's dequantize assumes whole blocks):
+    each entry is its value times its block's scale, tile by tile past TILE_ROWS."""
+    torch.manual_seed(0)
+    weight = torch.randn(1100, 300) * 0.05
+    values, scales = quantize_block_fp8(weight, (128, 128))
+    layer = Fp8Linear(300, 1100, bias=False, block=(128, 128))
+    layer.weight.data.copy_(values)
+    layer.weight_scale_inv.data.copy_(scales)
+    want = torch.empty(1100, 300)
+    for i in range(1100):
+        for j0 in range(0, 300, 128):
+            want[i, j0 : j0 + 128] = values[i, j0 : j0 + 128].float() * scales[i // 128, j0 // 128]
+    assert torch.equal(layer.dequantized(0, 1100, torch.float32), want)
+    x = torch.randn(3, 300)
+    torch.testing.assert_close(layer(x), x @ want.T, rtol=1e-5, atol=1e-5)
+    assert (layer.dequantized(0, 1100, torch.float32) - weight).abs().max() < 0.02  # e4m3 keeps ~2 digits
+
+
+def test_a_stacked_part_off_the_block_grid_is_refused():
+    with pytest.raises(ValueError, match="off the 128-row block grid"):
+        Fp8Linear(256, 256 + 64, bias=False, block=(128, 128), shards={"q_proj": (0, 192), "k_proj": (192, 128)})
+
+
+def test_fp8_files_of_a_model_without_an_fp8_form_are_refused(tmp_path, moe_dir):
+    path = write_fp8_checkpoint(moe_dir, tmp_path / "moe_fp8")
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not load FP8 checkpoints yet"):
+        LLM(path, num_kv_blocks=16)
