@@ -157,3 +157,24 @@ def test_fp8_files_of_a_model_without_an_fp8_form_are_refused(tmp_path, moe_dir)
     path = write_fp8_checkpoint(moe_dir, tmp_path / "moe_fp8")
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not load FP8 checkpoints yet"):
         LLM(path, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (520, 260, 5), (384, 1024, 24)])
+def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in_features, rows):
+    """ladle's fp8_linear (decode rows) against F.linear on the dequantized weight: ragged blocks, a width off the
+    vector size (the scalar path), subnormal and negative-zero bytes, a bias."""
+    from ladle.kernels.cpu_kernels import load
+
+    kernels = load()
+    torch.manual_seed(out_features)
+    values, scales = quantize_block_fp8(torch.randn(out_features, in_features) * 0.05, (128, 128))
+    values.view(torch.uint8).view(-1)[:16] = torch.arange(16, dtype=torch.uint8) | 0x80  # -0 and subnormals
+    values.view(torch.uint8).view(-1)[16:24] = torch.arange(8, dtype=torch.uint8)
+    layer = Fp8Linear(in_features, out_features, bias=True, block=(128, 128))
+    layer.weight.data.copy_(values)
+    layer.weight_scale_inv.data.copy_(scales)
+    layer.bias.data.normal_()
+    x = torch.randn(rows, in_features)
+    want = torch.nn.functional.linear(x, layer.dequantized(0, out_features, torch.float32), layer.bias)
+    layer.use_cpu_kernels(kernels)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)

@@ -125,4 +125,6 @@ def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
                 setattr(parent, name, CpuLinear(child.weight, child.bias, kernels))
                 replaced += 1
+            elif hasattr(child, "use_cpu_kernels"):  # a quantized layer (ladle.quantization)
+                child.use_cpu_kernels(kernels)
     return replaced

@@ -9,13 +9,14 @@ block grid, or its scales would cover two parts.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 TILE_ROWS = 512  # output rows dequantized at once: 512 x in x 4 bytes of workspace
+KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 
 
 class Fp8Linear(nn.Module):
@@ -33,6 +34,7 @@ class Fp8Linear(nn.Module):
                                                          dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
+        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
         for name, (start, _) in self.shards.items():
             if start % rows:
                 raise ValueError(f"{name} starts at row {start} of a stacked FP8 layer, off the {rows}-row block "
@@ -56,7 +58,30 @@ class Fp8Linear(nn.Module):
         scales = scales.repeat_interleave(rows, 0)[: stop - start].repeat_interleave(cols, 1)[:, : self.in_features]
         return (self.weight[start:stop].float() * scales).to(dtype)
 
+    def use_cpu_kernels(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    def describe(self) -> str:
+        return (f"FP8 linears through fp8_linear (C) for up to {KERNEL_MAX_ROWS} rows, dequantized {TILE_ROWS} "
+                "rows at a time into F.linear above")
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype).contiguous()
+        failed = self.kernels.fp8_linear(
+            x2.data_ptr(), self.weight.data_ptr(), self.weight_scale_inv.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), rows, self.out_features, self.in_features,
+            self.block[0], self.block[1], int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"fp8_linear could not allocate {rows} x {self.in_features} floats")
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            return self._kernel(x)
         tile = max(self.block[0], TILE_ROWS // self.block[0] * self.block[0])
         if self.out_features <= tile:
             return F.linear(x, self.dequantized(0, self.out_features, x.dtype), self.bias)

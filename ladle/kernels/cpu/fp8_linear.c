@@ -1,0 +1,103 @@
+/* y = x W^T (+ bias) for the few rows of a decode step, with W block-scaled FP8: e4m3 bytes [N, K] and one fp32
+ * scale per (block_n x block_k) block, [ceil(N / block_n), ceil(K / block_k)] (Qwen3's and DeepSeek's FP8
+ * release layout, kept as the checkpoint has it).
+ *
+ * Decode is bound by reading W, and W is one byte a weight here: a quarter of fp32's traffic. Each weight row is
+ * read once and multiplied with every row of x (fp32, in L1), two W rows and four x rows a tile like
+ * skinny_linear. A byte widens to fp32 by bits alone: its 7 magnitude bits shifted to fp32's exponent and
+ * mantissa fields, times 2^120 (the exponent-bias difference), which is exact for normal and subnormal e4m3
+ * alike. Products are summed per block of block_k columns and each block's sum is multiplied by its scale, so
+ * the scale costs one multiply per block, not per weight. The e4m3 NaN byte (0x7F, 0xFF) reads as 480: a
+ * checkpoint's weights never hold it.
+ *
+ * x [M, K], y [M, N] and bias [N] (or NULL): fp32, or bf16 when is_bf16. Work is split over W's rows.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+static inline float e4m3_to_f32(uint8_t b) {
+    uint32_t u = ((uint32_t)(b & 0x80u) << 24) | ((uint32_t)(b & 0x7fu) << 20);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f * 0x1p120f;
+}
+
+#if LADLE_AVX2
+static inline __m256 e4m3x8(const uint8_t *p) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)), _mm256_set1_ps(0x1p120f));
+}
+
+/* out[r * 4 + i] = x row i . W row r for W rows w0, w1 (byte offsets) and the 4 fp32 rows of xs (stride k). */
+static void tile2x4(float out[8], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
+                    const float *scale0, const float *scale1, int64_t block_k) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
+        const int64_t c1 = c0 + block_k < k ? c0 + block_k : k;
+        __m256 part[8];
+        for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c1; c += 8) {
+            _mm_prefetch((const char *)w + w1 + k + c * 2, _MM_HINT_T0); /* the next tile's rows */
+            const __m256 a = e4m3x8(w + w0 + c), b = e4m3x8(w + w1 + c);
+            for (int i = 0; i < 4; i++) {
+                const __m256 xi = _mm256_loadu_ps(xs + i * k + c);
+                part[i] = _mm256_fmadd_ps(xi, a, part[i]);
+                part[4 + i] = _mm256_fmadd_ps(xi, b, part[4 + i]);
+            }
+        }
+        const __m256 s0 = _mm256_set1_ps(scale0[blk]), s1 = _mm256_set1_ps(scale1[blk]);
+        for (int i = 0; i < 4; i++) {
+            acc[i] = _mm256_fmadd_ps(part[i], s0, acc[i]);
+            acc[4 + i] = _mm256_fmadd_ps(part[4 + i], s1, acc[4 + i]);
+        }
+    }
+    _mm256_storeu_ps(out, sum8x8(acc));
+}
+#endif
+
+static void tile_scalar(float out[8], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
+                        const float *scale0, const float *scale1, int64_t block_k) {
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 4; i++) {
+            float acc = 0.f;
+            for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
+                float part = 0.f;
+                for (int64_t c = c0; c < c0 + block_k && c < k; c++) part += xs[i * k + c] * e4m3_to_f32(w[(r ? w1 : w0) + c]);
+                acc += part * (r ? scale1 : scale0)[blk];
+            }
+            out[r * 4 + i] = acc;
+        }
+}
+
+/* Returns 0, or -1 when the fp32 copy of x could not be allocated. */
+int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void *bias, void *y, int64_t m,
+               int64_t n, int64_t k, int64_t block_n, int64_t block_k, int is_bf16, int num_threads) {
+    const int64_t m4 = (m + 3) / 4 * 4, grid_k = (k + block_k - 1) / block_k;
+    float *xs = calloc((size_t)(m4 * k), sizeof(float));
+    if (xs == NULL) return -1;
+    for (int64_t i = 0; i < m * k; i++) xs[i] = get(x, i, is_bf16);
+    const int vector = LADLE_AVX2 && k % 8 == 0 && block_k % 8 == 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < (n + 1) / 2; r++) {
+        const int64_t r0 = 2 * r, r1 = r0 + 1 < n ? r0 + 1 : r0;
+        const float *s0 = scales + (r0 / block_n) * grid_k, *s1 = scales + (r1 / block_n) * grid_k;
+        float out[8];
+        for (int64_t i0 = 0; i0 < m4; i0 += 4) {
+#if LADLE_AVX2
+            if (vector) tile2x4(out, xs + i0 * k, k, w, r0 * k, r1 * k, s0, s1, block_k);
+            else
+#endif
+                tile_scalar(out, xs + i0 * k, k, w, r0 * k, r1 * k, s0, s1, block_k);
+            for (int64_t t = 0; t < 2 && r0 + t < n; t++) {
+                const float b = bias == NULL ? 0.f : get(bias, r0 + t, is_bf16);
+                for (int64_t i = i0; i < i0 + 4 && i < m; i++) put(y, i * n + r0 + t, out[t * 4 + i - i0] + b, is_bf16);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}
