@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fp8_checkpoints import hf_dequantized, quantize_block_fp8, write_fp8_checkpoint
+from ladle.testing.fp8_checkpoints import hf_dequantized, quantize_block_fp8, write_fp8_checkpoint
 from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
@@ -176,5 +176,5 @@ def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in
     layer.bias.data.normal_()
     x = torch.randn(rows, in_features)
     want = torch.nn.functional.linear(x, layer.dequantized(0, out_features, torch.float32), layer.bias)
-    layer.use_cpu_kernels(kernels)
+    layer.use_cpu_kernels(kernels, native_bf16=True)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)

@@ -126,5 +126,5 @@ def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
                 setattr(parent, name, CpuLinear(child.weight, child.bias, kernels))
                 replaced += 1
             elif hasattr(child, "use_cpu_kernels"):  # a quantized layer (ladle.quantization)
-                child.use_cpu_kernels(kernels)
+                child.use_cpu_kernels(kernels, pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None)
     return replaced

@@ -1,14 +1,16 @@
 """A linear layer whose weight stays block-scaled FP8 in memory (e4m3 values, one fp32 scale per block).
 
 The checkpoint's own tensors are the parameters: `weight` [out, in] in float8_e4m3fn and `weight_scale_inv`
-[ceil(out / rows), ceil(in / cols)] in fp32, so the weights take a quarter of fp32's bytes. A forward
-dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
+[ceil(out / rows), ceil(in / cols)] in fp32, so the weights take a quarter of fp32's bytes. On CPU, decode rows
+(and bf16 inputs of any size where torch's bf16 matmul is slow) go through ladle's fp8_linear C kernel, which
+reads the FP8 bytes directly (ladle/kernels/cpu/fp8_linear.c). Otherwise a forward dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
 dequantize does) and multiplies, so the workspace is one tile, never the layer or the model. A stacked layer
 (q/k/v, gate/up) fills its rows and its scale grid's rows from the checkpoint's parts; a part must start on the
 block grid, or its scales would cover two parts.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -35,6 +37,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.bf16_max_rows = KERNEL_MAX_ROWS
         for name, (start, _) in self.shards.items():
             if start % rows:
                 raise ValueError(f"{name} starts at row {start} of a stacked FP8 layer, off the {rows}-row block "
@@ -58,12 +61,11 @@ class Fp8Linear(nn.Module):
         scales = scales.repeat_interleave(rows, 0)[: stop - start].repeat_interleave(cols, 1)[:, : self.in_features]
         return (self.weight[start:stop].float() * scales).to(dtype)
 
-    def use_cpu_kernels(self, kernels: Any) -> None:
+    def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
+        """native_bf16: torch's bf16 matmul is fast here; where it is not, bf16 inputs of any size take the
+        kernel, as CpuLinear's bf16 weights do (measured: a 1K-token bf16 prefill 1.44x slower through F.linear)."""
         self.kernels = kernels
-
-    def describe(self) -> str:
-        return (f"FP8 linears through fp8_linear (C) for up to {KERNEL_MAX_ROWS} rows, dequantized {TILE_ROWS} "
-                "rows at a time into F.linear above")
+        self.bf16_max_rows = KERNEL_MAX_ROWS if native_bf16 else sys.maxsize
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -80,7 +82,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        limit = {torch.float32: KERNEL_MAX_ROWS, torch.bfloat16: self.bf16_max_rows}.get(x.dtype, 0)
+        if self.kernels is not None and 0 < rows <= limit:
             return self._kernel(x)
         tile = max(self.block[0], TILE_ROWS // self.block[0] * self.block[0])
         if self.out_features <= tile:

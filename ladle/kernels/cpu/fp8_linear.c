@@ -24,11 +24,35 @@ static inline float e4m3_to_f32(uint8_t b) {
 }
 
 #if LADLE_AVX2
+/* Sign-extended, a byte shifted left by 20 has its magnitude in bits 20-26 and copies of its sign in 27-31:
+ * keeping bit 31 and 20-26 gives the fp32 bits in three integer operations. */
 static inline __m256 e4m3x8(const uint8_t *p) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)), _mm256_set1_ps(0x1p120f));
+    const __m256i b = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), 20);
+    const __m256i bits = _mm256_and_si256(b, _mm256_set1_epi32((int)0x87f00000u));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+
+/* One x row (a batch-1 decode): out[r] = x . W row r for W rows w0, w1; no work on padding rows. */
+static void tile2x1(float out[2], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
+                    const float *scale0, const float *scale1, int64_t block_k) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
+        const int64_t c1 = c0 + block_k < k ? c0 + block_k : k;
+        __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c1; c += 8) {
+            _mm_prefetch((const char *)w + w1 + k + c * 2, _MM_HINT_T0);
+            const __m256 xi = _mm256_loadu_ps(xs + c);
+            p0 = _mm256_fmadd_ps(xi, e4m3x8(w + w0 + c), p0);
+            p1 = _mm256_fmadd_ps(xi, e4m3x8(w + w1 + c), p1);
+        }
+        acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(scale0[blk]), acc0);
+        acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(scale1[blk]), acc1);
+    }
+    __m256 sums[8] = {acc0, acc1, acc0, acc1, acc0, acc1, acc0, acc1};
+    float all[8];
+    _mm256_storeu_ps(all, sum8x8(sums));
+    out[0] = all[0];
+    out[1] = all[1];
 }
 
 /* out[r * 4 + i] = x row i . W row r for W rows w0, w1 (byte offsets) and the 4 fp32 rows of xs (stride k). */
@@ -86,6 +110,14 @@ int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void 
         const int64_t r0 = 2 * r, r1 = r0 + 1 < n ? r0 + 1 : r0;
         const float *s0 = scales + (r0 / block_n) * grid_k, *s1 = scales + (r1 / block_n) * grid_k;
         float out[8];
+#if LADLE_AVX2
+        if (vector && m == 1) {
+            tile2x1(out, xs, k, w, r0 * k, r1 * k, s0, s1, block_k);
+            for (int64_t t = 0; t < 2 && r0 + t < n; t++)
+                put(y, r0 + t, out[t] + (bias == NULL ? 0.f : get(bias, r0 + t, is_bf16)), is_bf16);
+            continue;
+        }
+#endif
         for (int64_t i0 = 0; i0 < m4; i0 += 4) {
 #if LADLE_AVX2
             if (vector) tile2x4(out, xs + i0 * k, k, w, r0 * k, r1 * k, s0, s1, block_k);

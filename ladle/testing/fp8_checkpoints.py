@@ -1,4 +1,4 @@
-"""Release-format checkpoints for the tests, written from an unquantized one: every linear projection's weight as
+"""Release-format checkpoints for the tests and benchmarks, written from an unquantized one: every linear projection's weight as
 block-scaled FP8 (e4m3 values, one fp32 `weight_scale_inv` per block, as Qwen3's FP8 releases ship them), the
 rest as it was, and `quantization_config` in config.json."""
 from __future__ import annotations
