@@ -153,10 +153,27 @@ def test_a_stacked_part_off_the_block_grid_is_refused():
         Fp8Linear(256, 256 + 64, bias=False, block=(128, 128), shards={"q_proj": (0, 192), "k_proj": (192, 128)})
 
 
-def test_fp8_files_of_a_model_without_an_fp8_form_are_refused(tmp_path, moe_dir):
-    path = write_fp8_checkpoint(moe_dir, tmp_path / "moe_fp8")
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not load FP8 checkpoints yet"):
+def test_fp8_files_of_a_model_without_an_fp8_form_are_refused(tmp_path):
+    path = write_fp8_checkpoint(build_checkpoint(tmp_path / "q35", "qwen3_5", seed=0), tmp_path / "q35_fp8")
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not load FP8 checkpoints yet"):
         LLM(path, num_kv_blocks=16)
+
+
+MOE = dict(SHAPE, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def test_fp8_experts_give_hf_dequantized_tokens(tmp_path):
+    """Qwen3-MoE's FP8 release layout: every expert's gate/up/down and the attention FP8, the router not;
+    the experts stay FP8, each routed one dequantized when a step reaches it."""
+    path = write_fp8_checkpoint(build_checkpoint(tmp_path / "moe", "qwen3_moe", **MOE, seed=2), tmp_path / "fp8")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (3, 50, 140)]
+    hf = hf_dequantized(path)
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
+    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=64, max_prefill_length=19)
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    experts = [m for m in llm.engine.core.model_executor.runner.model.modules() if hasattr(m, "fp8_block")]
+    assert experts and all(m.fp8_block == (128, 128) and m.w13.dtype == torch.float8_e4m3fn for m in experts)
 
 
 @pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (520, 260, 5), (384, 1024, 24)])
@@ -178,3 +195,43 @@ def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in
     want = torch.nn.functional.linear(x, layer.dequantized(0, out_features, torch.float32), layer.bias)
     layer.use_cpu_kernels(kernels, native_bf16=True)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fp8_at_tensor_parallel_size_2_equals_hf(tmp_path):
+    """Each rank loads its slice of every FP8 weight and the matching rows or columns of its scale grid: q/k/v
+    and gate/up by rows, o/down by columns, and the experts on their intermediate dimension. Head size 128, as
+    in the releases, so each rank's share of every projection is whole blocks."""
+    wide = SHAPE | {"head_dim": 128}
+    path = write_fp8_checkpoint(build_checkpoint(tmp_path / "dense", "qwen3", **wide, seed=1), tmp_path / "dense_fp8")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (5, 90)]
+    hf = hf_dequantized(path)
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=256) as llm:
+        assert ladle_tokens(llm, prompts, GREEDY) == [hf_greedy(hf, p, NEW) for p in prompts]
+    moe = write_fp8_checkpoint(build_checkpoint(tmp_path / "moe", "qwen3_moe", **(MOE | wide | {
+        "moe_intermediate_size": 256}), seed=2), tmp_path / "moe_fp8")
+    hf = hf_dequantized(moe)
+    with LLM(moe, tensor_parallel_size=2, num_kv_blocks=128) as llm:
+        assert ladle_tokens(llm, prompts, GREEDY) == [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+def test_a_tensor_parallel_share_off_the_block_grid_is_refused(fp8):
+    """At TP 4 each rank's q rows are 64 of a 128-row block, its k rows start mid-block: refused."""
+    from ladle.distributed.parallel_state import TensorParallel
+    from ladle.models.loader import load_model
+
+    with pytest.raises(ValueError, match="off the 128-(row|wide) (FP8 )?block grid"):
+        load_model(fp8[0], torch.device("cpu"), torch.float32, tp=TensorParallel(0, 4))
+
+
+def test_scale_slices_follow_the_weight_slices():
+    from ladle.models.tensor_parallel import Slice
+    from ladle.quantization.apply import with_scale_slices
+
+    dtypes = {"o.weight": "F8_E4M3", "o.weight_scale_inv": "F32", "b.weight": "BF16"}
+    got = with_scale_slices({"o.weight": Slice(1, 256, 256), "b.weight": Slice(0, 0, 64), "o.bias": None},
+                            (128, 128), dtypes)
+    assert got["o.weight_scale_inv"] == Slice(1, 2, 2) and "b.weight_scale_inv" not in got
+    with pytest.raises(ValueError, match=r"o.weight: this rank's part \[64, 128\) is off the 128-wide"):
+        with_scale_slices({"o.weight": Slice(1, 64, 64)}, (128, 128), dtypes)

@@ -14,7 +14,7 @@ from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
-from ladle.quantization.apply import checkpoint_dtypes, use_fp8_linears
+from ladle.quantization.apply import checkpoint_dtypes, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
 
 _SINGLE_FILE = "model.safetensors"
@@ -109,23 +109,26 @@ def load_model(
     slices = None
     with torch.device("meta"):
         model = model_cls(config)
-        if quant is not None:
-            if not model_cls.fp8_checkpoints:
-                raise ValueError(f"{model_cls.__name__} does not load FP8 checkpoints yet; use an unquantized "
-                                 "(bf16/fp32) checkpoint of it")
-            if tp.world_size > 1:
-                raise ValueError("tensor parallelism of FP8 checkpoints is not implemented yet; run it with "
-                                 "tensor_parallel_size 1")
-            if use_fp8_linears(model, quant, checkpoint_dtypes(files)) == 0:
-                raise ValueError(f"{model_dir}: quantization_config says fp8, but no linear layer's weight in the "
-                                 "checkpoint is FP8 e4m3")
         if tp.world_size > 1:
             if not model_cls.tensor_parallel:
                 raise ValueError(f"{model_cls.__name__} has no tensor-parallel form yet; run it with "
                                  "tensor_parallel_size 1")
             slices = model.shard(tp)
+        if quant is not None:
+            if not model_cls.fp8_checkpoints:
+                raise ValueError(f"{model_cls.__name__} does not load FP8 checkpoints yet; use an unquantized "
+                                 "(bf16/fp32) checkpoint of it")
+            dtypes = checkpoint_dtypes(files)
+            if use_fp8_linears(model, quant, dtypes) == 0:
+                raise ValueError(f"{model_dir}: quantization_config says fp8, but no linear layer's weight in the "
+                                 "checkpoint is FP8 e4m3")
+            if slices is not None:
+                slices = with_scale_slices(slices, quant.block, dtypes)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
+    if device.type == "cuda" and any(getattr(m, "fp8_block", None) for m in model.modules()):
+        raise ValueError("FP8 experts on CUDA need a Triton FP8 MoE kernel, which ladle does not have yet; run this "
+                         "checkpoint on CPU or use an unquantized one")
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32

@@ -15,6 +15,7 @@ from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
 from ladle.models.ops import OpsModule
+from ladle.quantization.fp8_linear import Fp8ExpertStack
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +41,26 @@ class FusedMoE(OpsModule):
         self.names, self.swiglu_limit = names, swiglu_limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.fp8_block: tuple[int, int] | None = None  # set by use_fp8: the weights are block-scaled FP8
+
+    def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
+        """The checkpoint modules whose weights, FP8 or not, decide this layer's format."""
+        return [f"{prefix}.{j}.{name}" for j in range(self.num_experts) for name in self.names]
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts as the checkpoint's e4m3 values and fp32 block scales (still on meta)."""
+        rows, cols = block
+        e, size, hidden = self.num_experts, self.intermediate_size, self.w2.shape[1]
+        if size % rows:
+            raise ValueError(f"moe_intermediate_size {size} is off the {rows}-row FP8 block grid: the stacked "
+                             "gate and up scales would share a block")
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(e, 2 * size, hidden, dtype=fp8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden, size, dtype=fp8), requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(torch.empty(e, 2 * size // rows, -(-hidden // cols)), requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(torch.empty(e, -(-hidden // rows), -(-size // cols)), requires_grad=False)
+        self.keep_dtypes = ("w13", "w2", "w13_scale_inv", "w2_scale_inv")
+        self.fp8_block = block
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
@@ -50,10 +71,19 @@ class FusedMoE(OpsModule):
             views[f"{prefix}.{j}.{gate}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :size])
             views[f"{prefix}.{j}.{up}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, size:])
             views[f"{prefix}.{j}.{down}.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
+            if self.fp8_block is not None:
+                half = size // self.fp8_block[0]
+                views[f"{prefix}.{j}.{gate}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, :half])
+                views[f"{prefix}.{j}.{up}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, half:])
+                views[f"{prefix}.{j}.{down}.weight_scale_inv"] = (f"{prefix}.w2_scale_inv", lambda p, j=j: p[j])
         return views
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
+        if self.fp8_block is not None:  # each routed expert dequantized when the step reaches it
+            w13 = Fp8ExpertStack(self.w13, self.w13_scale_inv, self.fp8_block, x.dtype)
+            w2 = Fp8ExpertStack(self.w2, self.w2_scale_inv, self.fp8_block, x.dtype)
+            return self.ops.fused_experts(x, w13, w2, weights, ids, self.swiglu_limit)
         return self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
 
 

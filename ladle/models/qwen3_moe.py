@@ -18,7 +18,6 @@ def is_sparse(config: Any, layer_idx: int) -> bool:
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     qk_norm = True
-    fp8_checkpoints = False  # the fused experts have no FP8 form yet
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:

@@ -21,6 +21,29 @@ TILE_ROWS = 512  # output rows dequantized at once: 512 x in x 4 bytes of worksp
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 
 
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], first_row: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """values [R, C] (e4m3, starting at row first_row, a multiple of block[0], of a weight whose scale grid
+    starts at scales' row 0) times each entry's block scale, in fp32, then dtype."""
+    rows, cols = block
+    r = values.shape[0]
+    grid = scales[first_row // rows : -(-(first_row + r) // rows)]
+    grid = grid.repeat_interleave(rows, 0)[:r].repeat_interleave(cols, 1)[:, : values.shape[1]]
+    return (values.float() * grid).to(dtype)
+
+
+class Fp8ExpertStack:
+    """Stacked experts' FP8 weights [E, R, C] and scales [E, R / rows, C / cols], indexed like the dequantized
+    stack: stack[e] is expert e's weight in dtype, made when asked, so a step holds one expert's at a time."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+        self.values, self.scales, self.block, self.dtype = values, scales, block, dtype
+        self.shape = values.shape
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
+
+
 class Fp8Linear(nn.Module):
     keep_dtypes = ("weight", "weight_scale_inv")  # the loader's cast to the model dtype leaves these
 
@@ -56,10 +79,7 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, stop) of the weight in dtype; start is a multiple of the block's rows."""
-        rows, cols = self.block
-        scales = self.weight_scale_inv[start // rows : -(-stop // rows)]
-        scales = scales.repeat_interleave(rows, 0)[: stop - start].repeat_interleave(cols, 1)[:, : self.in_features]
-        return (self.weight[start:stop].float() * scales).to(dtype)
+        return dequantize_blocks(self.weight[start:stop], self.weight_scale_inv, self.block, start, dtype)
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
         """native_bf16: torch's bf16 matmul is fast here; where it is not, bf16 inputs of any size take the
