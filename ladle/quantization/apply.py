@@ -41,7 +41,11 @@ def _all_fp8(full: str, parts: list[str], dtypes: dict[str, str]) -> bool:
 
 def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]) -> int:
     """Replace each nn.Linear whose checkpoint weights are FP8 by an Fp8Linear (a stacked one only if every part
-    is), and switch stacked experts (a module with use_fp8) to their FP8 form; returns how many layers."""
+    is), and switch stacked experts (a module with use_fp8) to their FP8 form; returns how many layers. A
+    module the config lists in modules_to_not_convert must not be FP8 in the files."""
+    for name, dtype in dtypes.items():
+        if dtype == FP8_DTYPE and any(skip and skip in name for skip in quant.modules_to_not_convert):
+            raise ValueError(f"{name} is FP8, but quantization_config.modules_to_not_convert lists it as unquantized")
     replaced = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
