@@ -62,7 +62,7 @@ def test_the_weights_stay_fp8_and_the_plan_says_so(fp8, unquantized):
     assert (setting.value, setting.source) == ("fp8", "derived")
     assert full.engine.core.config.settings["quantization"].value == "none"
     report = q.engine.core.config.report()
-    assert "FP8 e4m3 + fp32 scales" in report and "in 8 linears" in report
+    assert "FP8 e4m3 + fp32 scales" in report and "in 8 layers" in report
 
     def weight_bytes(llm: LLM) -> int:
         return sum(t.numel() * t.element_size() for t in llm.engine.core.model_executor.runner.model.parameters())
@@ -87,13 +87,13 @@ Q = "model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize("edit,message", [
     (lambda t: t.__setitem__(f"{Q}.weight_scale_inv", t[f"{Q}.weight_scale_inv"][:, :1].contiguous()),
      f"{Q}.weight_scale_inv: scale grid shape"),
-    (lambda t: t.pop(f"{Q}.weight_scale_inv"), f"no {Q}.weight_scale_inv"),
+    (lambda t: t.pop(f"{Q}.weight_scale_inv"), f"{Q}.weight is quantized but the checkpoint has no scale"),
     # E8M0 exponents (one byte a block) where the format stores fp32 scales: read as numbers they would be wrong.
     (lambda t: t.__setitem__(f"{Q}.weight_scale_inv", torch.full_like(t[f"{Q}.weight_scale_inv"], 120,
-                                                                       dtype=torch.uint8)), "store these scales as F32"),
+                                                                       dtype=torch.uint8)), "U8, but .* stores them as F32"),
     (lambda t: t[f"{Q}.weight_scale_inv"].view(-1)[0].fill_(float("nan")), f"{Q}.weight_scale_inv has scales that are not finite"),
     (lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight", t["model.layers.1.mlp.up_proj.weight"].float()),
-     "only .*gate_proj.* are FP8"),
+     "only .*gate_proj.* are quantized"),
 ])
 def test_bad_fp8_files_fail_at_load_naming_the_tensor(tmp_path, unquantized, edit, message):
     path = _break(tmp_path, unquantized, edit)
@@ -172,8 +172,9 @@ def test_fp8_experts_give_hf_dequantized_tokens(tmp_path):
     want = [hf_greedy(hf, p, NEW) for p in prompts]
     llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=64, max_prefill_length=19)
     assert ladle_tokens(llm, prompts, GREEDY) == want
-    experts = [m for m in llm.engine.core.model_executor.runner.model.modules() if hasattr(m, "fp8_block")]
-    assert experts and all(m.fp8_block == (128, 128) and m.w13.dtype == torch.float8_e4m3fn for m in experts)
+    experts = [m for m in llm.engine.core.model_executor.runner.model.modules() if hasattr(m, "weight_format")]
+    assert experts and all((m.weight_format, m.scale_block, m.w13.dtype) == ("fp8", (128, 128), torch.float8_e4m3fn)
+                           for m in experts)
 
 
 @pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (520, 260, 5), (384, 1024, 24)])

@@ -199,6 +199,10 @@ class DecoderForCausalLM(nn.Module):
         return loaded
 
 
+# Checkpoint dtypes copied bit for bit, never converted: FP8 values, E8M0 scales, packed FP4 bytes.
+_QUANTIZED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+
+
 def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                     targets: dict[str, torch.Tensor]) -> set[str]:
     """Copy each (name, tensor) into targets[name] (a parameter or buffer), or into the view of a stacked
@@ -216,12 +220,12 @@ def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if tuple(dest.shape) != tuple(tensor.shape):
             what = "scale grid" if name.endswith("_scale_inv") else "checkpoint"
             raise ValueError(f"{name}: {what} shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
-        if name.endswith("_scale_inv") and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+        if (dest.dtype in _QUANTIZED or tensor.dtype in _QUANTIZED) and dest.dtype != tensor.dtype:
+            raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} where the model holds {dest.dtype} (a "
+                             "quantized tensor needs quantization_config, and a quantized layer the format it names)")
+        if name.endswith("_scale_inv") and not bool((torch.isfinite(s := tensor.float()) & (s > 0)).all()):
             raise ValueError(f"{name} has scales that are not finite and positive (NaN, inf or <= 0): a broken "
                              "export, which would turn the layer's outputs to NaN or zero")
-        if (dest.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
-            raise ValueError(f"{name}: checkpoint dtype {tensor.dtype} where the model holds {dest.dtype} (an FP8 "
-                             "tensor needs quantization_config, and a quantized layer FP8 values)")
         dest.copy_(tensor)
         if view is None:
             loaded.add(name)

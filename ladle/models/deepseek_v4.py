@@ -82,7 +82,7 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
-    fp8_checkpoints: ClassVar[bool] = False  # the release's FP8 + MXFP4 files are not read yet
+    fp8_checkpoints: ClassVar[bool] = True  # the release's files: FP8 linears, MXFP4 routed experts
     cpu_kernels: tuple[str, str] | None = None  # it runs torch's kernels everywhere: no row in the table
 
     def __init__(self, config: Any) -> None:
@@ -179,6 +179,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                 rand = torch.rand(gate.tid2eid.shape[0], e, generator=generator, device=gate.tid2eid.device)
                 gate.tid2eid.copy_(rand.argsort(dim=-1)[:, : gate.top_k])
 
+    @staticmethod
+    def checkpoint_name(raw: str) -> str:
+        """A checkpoint tensor's name as this model's parameters have it (HF saves a `model.` prefix)."""
+        name = raw.removeprefix("model.")
+        return _RENAMES.get(name, name)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); multi-token
@@ -186,7 +192,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         on a hash layer without its tid2eid table."""
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for raw, tensor in weights:
-                name = _RENAMES.get(raw.removeprefix("model."), raw.removeprefix("model."))
+                name = self.checkpoint_name(raw)
                 if name.startswith("mtp.") or ".mtp." in name or (name == "head.weight" and self.head is None):
                     continue
                 yield name, tensor

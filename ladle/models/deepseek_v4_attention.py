@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
@@ -22,6 +23,7 @@ from ladle.models.deepseek_v4_compressor import (
     Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
 )
 from ladle.models.layers import RotaryEmbedding
+from ladle.quantization.fp8_linear import Fp8Linear
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -136,6 +138,15 @@ class Dsv4Attention(nn.Module):
         out = attn.backend.sink_attention(q, pool, positions, attn, self.window, self.attn_sink.float(),
                                           self.head_dim**-0.5, entries)
         out = interleaved_rope(out, cos, -sin)  # values carried rope: rotate it back at the query's position
-        grouped = out.reshape(t, self.o_groups, -1)
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
+        return self.wo_b(grouped_projection(self.wo_a, out.reshape(t, self.o_groups, -1)).reshape(t, -1))
+
+
+def grouped_projection(layer: nn.Module, grouped: torch.Tensor) -> torch.Tensor:
+    """grouped [T, G, I] through the block-diagonal wo_a (group g's output rows read group g's inputs) ->
+    [T, G, R]. FP8 weights are widened a group's rows at a time, never the whole layer."""
+    t, groups, _ = grouped.shape
+    if isinstance(layer, Fp8Linear):
+        r = layer.out_features // groups
+        return torch.stack([F.linear(grouped[:, g], layer.dequantized(g * r, (g + 1) * r, grouped.dtype))
+                            for g in range(groups)], dim=1)
+    return torch.einsum("tgi,gri->tgr", grouped, layer.weight.view(groups, -1, grouped.shape[-1]))

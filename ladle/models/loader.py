@@ -14,7 +14,7 @@ from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
-from ladle.quantization.apply import checkpoint_dtypes, use_fp8_linears, with_scale_slices
+from ladle.quantization.apply import checkpoint_dtypes, scale_names, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
 
 _SINGLE_FILE = "model.safetensors"
@@ -106,7 +106,7 @@ def load_model(
         raise ValueError("load_format 'dummy' draws unquantized random weights; drop the checkpoint's "
                          "quantization_config or load its files")
     # Build on meta so no random init runs, then allocate uninitialised storage on the target device.
-    slices = None
+    slices, renames = None, {}
     with torch.device("meta"):
         model = model_cls(config)
         if tp.world_size > 1:
@@ -118,7 +118,10 @@ def load_model(
             if not model_cls.fp8_checkpoints:
                 raise ValueError(f"{model_cls.__name__} does not load FP8 checkpoints yet; use an unquantized "
                                  "(bf16/fp32) checkpoint of it")
-            dtypes = checkpoint_dtypes(files)
+            raw = checkpoint_dtypes(files)
+            renames = scale_names(raw)
+            name_of = getattr(model, "checkpoint_name", lambda name: name)  # the model's own renames on load
+            dtypes = {name_of(renames.get(k, k)): v for k, v in raw.items()}
             if use_fp8_linears(model, quant, dtypes) == 0:
                 raise ValueError(f"{model_dir}: quantization_config says fp8, but no linear layer's weight in the "
                                  "checkpoint is FP8 e4m3")
@@ -126,9 +129,9 @@ def load_model(
                 slices = with_scale_slices(slices, quant.block, dtypes)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
-    if device.type == "cuda" and any(getattr(m, "fp8_block", None) for m in model.modules()):
-        raise ValueError("FP8 experts on CUDA need a Triton FP8 MoE kernel, which ladle does not have yet; run this "
-                         "checkpoint on CPU or use an unquantized one")
+    if device.type == "cuda" and any(getattr(m, "weight_format", None) for m in model.modules()):
+        raise ValueError("FP8 or MXFP4 experts on CUDA need a Triton quantized MoE kernel, which ladle does not "
+                         "have yet; run this checkpoint on CPU or use an unquantized one")
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32
@@ -137,7 +140,8 @@ def load_model(
         init_dummy_weights(model, seed)
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
-        loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in iter_weights(files, slices))
+        named = ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices))
+        loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in named)
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")

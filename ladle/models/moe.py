@@ -15,7 +15,9 @@ from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
 from ladle.models.ops import OpsModule
+from ladle.quantization.config import MXFP4_GROUP
 from ladle.quantization.fp8_linear import Fp8ExpertStack
+from ladle.quantization.mxfp4 import Mxfp4ExpertStack
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,38 +43,58 @@ class FusedMoE(OpsModule):
         self.names, self.swiglu_limit = names, swiglu_limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.fp8_block: tuple[int, int] | None = None  # set by use_fp8: the weights are block-scaled FP8
+        # Set by use_fp8 / use_mxfp4: "fp8" (block-scaled e4m3) or "mxfp4", the checkpoint's values kept as
+        # they are, with scales of (rows, columns) each.
+        self.weight_format: str | None = None
+        self.scale_block = (1, 1)
 
     def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
         """The checkpoint modules whose weights, FP8 or not, decide this layer's format."""
         return [f"{prefix}.{j}.{name}" for j in range(self.num_experts) for name in self.names]
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """Hold the experts as the checkpoint's e4m3 values and fp32 block scales (still on meta)."""
+    def use_fp8(self, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32) -> None:
+        """Hold the experts as the checkpoint's e4m3 values and block scales (still on meta)."""
         rows, cols = block
         e, size, hidden = self.num_experts, self.intermediate_size, self.w2.shape[1]
         if size % rows:
             raise ValueError(f"moe_intermediate_size {size} is off the {rows}-row FP8 block grid: the stacked "
                              "gate and up scales would share a block")
         fp8 = torch.float8_e4m3fn
-        self.w13 = nn.Parameter(torch.empty(e, 2 * size, hidden, dtype=fp8), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden, size, dtype=fp8), requires_grad=False)
-        self.w13_scale_inv = nn.Parameter(torch.empty(e, 2 * size // rows, -(-hidden // cols)), requires_grad=False)
-        self.w2_scale_inv = nn.Parameter(torch.empty(e, -(-hidden // rows), -(-size // cols)), requires_grad=False)
+        self._quantized("fp8", block, torch.empty(e, 2 * size, hidden, dtype=fp8),
+                        torch.empty(e, hidden, size, dtype=fp8),
+                        torch.empty(e, 2 * size // rows, -(-hidden // cols), dtype=scale_dtype),
+                        torch.empty(e, -(-hidden // rows), -(-size // cols), dtype=scale_dtype))
+
+    def use_mxfp4(self) -> None:
+        """Hold the experts packed: two e2m1 values a byte, an E8M0 scale per 32 inputs (still on meta)."""
+        e, size, hidden = self.num_experts, self.intermediate_size, self.w2.shape[1]
+        if size % MXFP4_GROUP or hidden % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 experts need hidden_size ({hidden}) and moe_intermediate_size ({size}) to be "
+                             f"multiples of {MXFP4_GROUP}, the inputs one scale covers")
+        e8m0 = torch.float8_e8m0fnu
+        self._quantized("mxfp4", (1, MXFP4_GROUP), torch.empty(e, 2 * size, hidden // 2, dtype=torch.int8),
+                        torch.empty(e, hidden, size // 2, dtype=torch.int8),
+                        torch.empty(e, 2 * size, hidden // MXFP4_GROUP, dtype=e8m0),
+                        torch.empty(e, hidden, size // MXFP4_GROUP, dtype=e8m0))
+
+    def _quantized(self, fmt: str, block: tuple[int, int], w13: torch.Tensor, w2: torch.Tensor,
+                   w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
+        self.w13, self.w2 = (nn.Parameter(t, requires_grad=False) for t in (w13, w2))
+        self.w13_scale_inv, self.w2_scale_inv = (nn.Parameter(t, requires_grad=False) for t in (w13_scales, w2_scales))
         self.keep_dtypes = ("w13", "w2", "w13_scale_inv", "w2_scale_inv")
-        self.fp8_block = block
+        self.weight_format, self.scale_block = fmt, block
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
         size = self.intermediate_size
         views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
         gate, up, down = self.names
+        half = size // self.scale_block[0]  # the gate's rows of the stacked scale grid
         for j in range(self.num_experts):
             views[f"{prefix}.{j}.{gate}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :size])
             views[f"{prefix}.{j}.{up}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, size:])
             views[f"{prefix}.{j}.{down}.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
-            if self.fp8_block is not None:
-                half = size // self.fp8_block[0]
+            if self.weight_format is not None:
                 views[f"{prefix}.{j}.{gate}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, :half])
                 views[f"{prefix}.{j}.{up}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, half:])
                 views[f"{prefix}.{j}.{down}.weight_scale_inv"] = (f"{prefix}.w2_scale_inv", lambda p, j=j: p[j])
@@ -80,11 +102,16 @@ class FusedMoE(OpsModule):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
-        if self.fp8_block is not None:  # each routed expert dequantized when the step reaches it
-            w13 = Fp8ExpertStack(self.w13, self.w13_scale_inv, self.fp8_block, x.dtype)
-            w2 = Fp8ExpertStack(self.w2, self.w2_scale_inv, self.fp8_block, x.dtype)
-            return self.ops.fused_experts(x, w13, w2, weights, ids, self.swiglu_limit)
-        return self.ops.fused_experts(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
+        w13: Any = self.w13
+        w2: Any = self.w2
+        # Quantized experts: each routed expert widened when the step reaches it.
+        if self.weight_format == "fp8":
+            w13 = Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, x.dtype)
+            w2 = Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, x.dtype)
+        elif self.weight_format == "mxfp4":
+            w13 = Mxfp4ExpertStack(self.w13, self.w13_scale_inv, x.dtype)
+            w2 = Mxfp4ExpertStack(self.w2, self.w2_scale_inv, x.dtype)
+        return self.ops.fused_experts(x, w13, w2, weights, ids, self.swiglu_limit)
 
 
 class SparseMoeBlock(RoutedExperts):

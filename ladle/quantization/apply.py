@@ -2,9 +2,10 @@
 headers, no tensor read), and their replacement by Fp8Linear before any storage is allocated."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from ladle.quantization.config import FP8_DTYPE, QuantConfig
+from ladle.quantization.config import E8M0_DTYPE, FP4_DTYPE, FP8_DTYPE, QuantConfig
 from ladle.quantization.fp8_linear import Fp8Linear
 
 
@@ -20,39 +21,58 @@ def checkpoint_dtypes(files: list[str]) -> dict[str, str]:
     return dtypes
 
 
-def _all_fp8(full: str, parts: list[str], dtypes: dict[str, str]) -> bool:
-    """Whether the checkpoint modules `parts` (which layer `full` holds) are FP8: all, or none; anything between,
-    a missing scale or a scale that is not F32 fails with the tensor named."""
-    fp8 = [p for p in parts if dtypes.get(f"{p}.weight") == FP8_DTYPE]
-    if not fp8:
+def scale_names(dtypes: dict[str, str]) -> dict[str, str]:
+    """Checkpoint name -> ladle's for each quantized weight's scale: DeepSeek-V4 names it `<w>.scale`, Qwen3
+    `<w>.weight_scale_inv`; ladle's parameters take the second (as HF renames on load)."""
+    quantized = (FP8_DTYPE, FP4_DTYPE)
+    return {name: name.removesuffix("scale") + "weight_scale_inv" for name in dtypes
+            if name.endswith(".scale") and dtypes.get(name.removesuffix("scale") + "weight") in quantized}
+
+
+def _all_quantized(full: str, parts: list[str], dtypes: dict[str, str], values: str, scales: str,
+                   what: str) -> bool:
+    """Whether the checkpoint modules `parts` (which layer `full` holds) are quantized as `what` (weights of
+    safetensors dtype `values`, scales of `scales`): all, or none; anything between, a missing scale or a
+    weight or scale of another dtype fails with the tensor named."""
+    quantized = [p for p in parts if dtypes.get(f"{p}.weight") in (FP8_DTYPE, FP4_DTYPE)]
+    if not quantized:
         return False
-    if len(fp8) != len(parts):
-        raise ValueError(f"{full} stacks {parts}, of which only {fp8} are FP8 in the checkpoint; ladle needs all "
-                         "of them quantized or none")
+    if len(quantized) != len(parts):
+        raise ValueError(f"{full} stacks {parts}, of which only {quantized} are quantized in the checkpoint; "
+                         "ladle needs all of them quantized or none")
     for p in parts:
+        if dtypes[f"{p}.weight"] != values:
+            raise ValueError(f"{p}.weight is {dtypes[f'{p}.weight']}, but quantization_config makes this layer "
+                             f"{what}, stored as {values}")
         scale = dtypes.get(f"{p}.weight_scale_inv")
         if scale is None:
-            raise ValueError(f"{p}.weight is FP8 but the checkpoint has no {p}.weight_scale_inv")
-        if scale != "F32":
-            raise ValueError(f"{p}.weight_scale_inv is {scale}; block-scaled FP8 checkpoints store these scales "
-                             "as F32")
+            raise ValueError(f"{p}.weight is quantized but the checkpoint has no scale for it ({p}.weight_scale_inv "
+                             f"or {p}.scale)")
+        if scale != scales:
+            raise ValueError(f"{p}'s scales are {scale}, but this checkpoint's {what} stores them as {scales} "
+                             "(quantization_config.scale_fmt says which: 'ue8m0' E8M0 bytes, 'float' fp32)")
     return True
 
 
 def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]) -> int:
     """Replace each nn.Linear whose checkpoint weights are FP8 by an Fp8Linear (a stacked one only if every part
-    is), and switch stacked experts (a module with use_fp8) to their FP8 form; returns how many layers. A
-    module the config lists in modules_to_not_convert must not be FP8 in the files."""
+    is), and switch stacked experts (a module with use_fp8) to FP8 or, expert_dtype fp4, MXFP4; returns how
+    many layers. dtypes: tensor name -> safetensors dtype, scales under ladle's names (scale_names). A module
+    the config lists in modules_to_not_convert must not be quantized in the files."""
     for name, dtype in dtypes.items():
         if dtype == FP8_DTYPE and any(skip and skip in name for skip in quant.modules_to_not_convert):
             raise ValueError(f"{name} is FP8, but quantization_config.modules_to_not_convert lists it as unquantized")
+    scale_dtype = torch.float8_e8m0fnu if quant.scale_fmt == "ue8m0" else torch.float32
+    fp8 = (FP8_DTYPE, quant.scale_dtype, f"FP8 e4m3 with {quant.scale_dtype} block scales")
     replaced = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{prefix}.{name}" if prefix else name
             if hasattr(child, "use_fp8"):
-                if _all_fp8(full, child.fp8_checkpoint_parts(full), dtypes):
-                    child.use_fp8(quant.block)
+                mxfp4 = quant.expert_dtype == "fp4"
+                expected = (FP4_DTYPE, E8M0_DTYPE, "MXFP4 (expert_dtype fp4)") if mxfp4 else fp8
+                if _all_quantized(full, child.fp8_checkpoint_parts(full), dtypes, *expected):
+                    child.use_mxfp4() if mxfp4 else child.use_fp8(quant.block, scale_dtype)
                     replaced += 1
                 continue
             if not isinstance(child, nn.Linear):
@@ -60,11 +80,12 @@ def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]
             shards = getattr(child, "shards", None)
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             parts = [f"{owner}.{s}" if owner else s for s in shards] if shards else [full]
-            if _all_fp8(full, parts, dtypes):
+            if _all_quantized(full, parts, dtypes, *fp8):
                 setattr(parent, name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
-                                                quant.block, shards))
+                                                quant.block, shards, scale_dtype))
                 replaced += 1
     return replaced
+
 
 def with_scale_slices(slices: dict, block: tuple[int, int], dtypes: dict[str, str]) -> dict:
     """A tensor-parallel rank's slices (ladle.models.tensor_parallel) with each FP8 weight's scale grid cut
@@ -85,15 +106,28 @@ def with_scale_slices(slices: dict, block: tuple[int, int], dtypes: dict[str, st
 
 
 def weights_format(model: nn.Module) -> str:
-    """What the weight bytes are, for the plan's weights line ('' when all are in the model dtype)."""
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    if not fp8:
+    """What the weight bytes are, for the plan's weights line ('' when all are in the model dtype): each
+    quantized format's bytes with their scales', then the rest by dtype."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    layers: dict[str, int] = {}
+    for module in model.modules():
+        fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
+        if fmt is None:
+            continue
+        tensors = ([module.weight, module.weight_scale_inv] if isinstance(module, Fp8Linear)
+                   else [module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv])
+        scales = "E8M0" if tensors[-1].dtype == torch.float8_e8m0fnu else "fp32"
+        key = "MXFP4 + E8M0 scales" if fmt == "mxfp4" else f"FP8 e4m3 + {scales} scales"
+        groups.setdefault(key, []).extend(tensors)
+        layers[key] = layers.get(key, 0) + 1
+    if not groups:
         return ""
-    quantized = {id(t) for m in fp8 for t in (m.weight, m.weight_scale_inv)}
-    q_bytes = sum(t.numel() * t.element_size() for m in fp8 for t in (m.weight, m.weight_scale_inv))
-    rest = {str(t.dtype).removeprefix("torch."): 0 for t in model.parameters() if id(t) not in quantized}
+    quantized = {id(t) for ts in groups.values() for t in ts}
+    rest: dict[str, int] = {}
     for t in model.parameters():
         if id(t) not in quantized:
-            rest[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
-    others = ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in rest.items())
-    return f"FP8 e4m3 + fp32 scales {q_bytes / 2**20:.1f} MiB in {len(fp8)} linears; {others}"
+            name = str(t.dtype).removeprefix("torch.")
+            rest[name] = rest.get(name, 0) + t.numel() * t.element_size()
+    parts = [f"{key} {sum(t.numel() * t.element_size() for t in ts) / 2**20:.1f} MiB in {layers[key]} layers"
+             for key, ts in groups.items()]
+    return "; ".join(parts) + "; " + ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in rest.items())

@@ -23,12 +23,12 @@ KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the F
 
 def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], first_row: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """values [R, C] (e4m3, starting at row first_row, a multiple of block[0], of a weight whose scale grid
-    starts at scales' row 0) times each entry's block scale, in fp32, then dtype."""
+    """values [R, C] (e4m3, starting at row first_row of a weight whose scale grid starts at scales' row 0)
+    times each entry's block scale (fp32 or E8M0), in fp32, then dtype."""
     rows, cols = block
-    r = values.shape[0]
-    grid = scales[first_row // rows : -(-(first_row + r) // rows)]
-    grid = grid.repeat_interleave(rows, 0)[:r].repeat_interleave(cols, 1)[:, : values.shape[1]]
+    r, skip = values.shape[0], first_row % rows
+    grid = scales[first_row // rows : -(-(first_row + r) // rows)].float()
+    grid = grid.repeat_interleave(rows, 0)[skip : skip + r].repeat_interleave(cols, 1)[:, : values.shape[1]]
     return (values.float() * grid).to(dtype)
 
 
@@ -48,15 +48,16 @@ class Fp8Linear(nn.Module):
     keep_dtypes = ("weight", "weight_scale_inv")  # the loader's cast to the model dtype leaves these
 
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
-                 shards: dict[str, tuple[int, int]] | None = None) -> None:
-        """shards: for a stacked layer, checkpoint module name -> (first row, rows), in output order."""
+                 shards: dict[str, tuple[int, int]] | None = None, scale_dtype: torch.dtype = torch.float32) -> None:
+        """shards: for a stacked layer, checkpoint module name -> (first row, rows), in output order;
+        scale_dtype: the checkpoint's (fp32, or float8_e8m0fnu as DeepSeek-V4 ships them)."""
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         rows, cols = block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(-(-out_features // rows), -(-in_features // cols),
-                                                         dtype=torch.float32), requires_grad=False)
+                                                         dtype=scale_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
@@ -78,7 +79,7 @@ class Fp8Linear(nn.Module):
         return views
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [start, stop) of the weight in dtype; start is a multiple of the block's rows."""
+        """Rows [start, stop) of the weight in dtype."""
         return dequantize_blocks(self.weight[start:stop], self.weight_scale_inv, self.block, start, dtype)
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
@@ -92,8 +93,9 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype).contiguous()
+        scales = self.weight_scale_inv.float()  # E8M0 widened: the grid is 1/16384th of the weight
         failed = self.kernels.fp8_linear(
-            x2.data_ptr(), self.weight.data_ptr(), self.weight_scale_inv.data_ptr(),
+            x2.data_ptr(), self.weight.data_ptr(), scales.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), rows, self.out_features, self.in_features,
             self.block[0], self.block[1], int(x.dtype == torch.bfloat16), torch.get_num_threads())
         if failed:

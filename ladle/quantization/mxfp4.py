@@ -1,0 +1,33 @@
+"""MXFP4 weights as DeepSeek-V4's routed experts ship them: e2m1 values two a byte (the low nibble first) in an
+int8 tensor [out, in / 2], and one E8M0 power-of-two scale per 32 inputs [out, in / 32]. They stay packed in
+memory (an eighth of fp32's bytes, plus a byte per 32 values); an expert is widened when a step routes to it."""
+from __future__ import annotations
+
+import torch
+
+from ladle.quantization.config import MXFP4_GROUP
+
+# e2m1: sign, two exponent bits, one mantissa bit; code c's value, the sign bit (8) negating it.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """packed [..., R, C / 2] (int8) and scales [..., R, C / 32] (E8M0) -> [..., R, C] in dtype, each value
+    times its group's scale in fp32 first (HF's order, so fp32 results match it)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    u8 = packed.view(torch.uint8)
+    values = torch.stack([lut[(u8 & 15).long()], lut[(u8 >> 4).long()]], dim=-1).flatten(-2)
+    grouped = values.unflatten(-1, (-1, MXFP4_GROUP)) * scales.float().unsqueeze(-1)
+    return grouped.flatten(-2).to(dtype)
+
+
+class Mxfp4ExpertStack:
+    """Stacked experts' packed weights [E, R, C / 2] and scales [E, R, C / 32], indexed like the dequantized
+    stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.packed, self.scales, self.dtype = packed, scales, dtype
+        self.shape = (*packed.shape[:-1], 2 * packed.shape[-1])
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)

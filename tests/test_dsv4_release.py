@@ -1,0 +1,115 @@
+"""DeepSeek-V4 from its release files (FP8 e4m3 linears with E8M0 block scales, MXFP4 routed experts), kept
+quantized in memory: greedy tokens equal HF transformers loading the same files dequantized, with every
+layer type (sliding-window, compressed-sparse, heavily-compressed; hash and scored MoE), under chunked prefill
+and preemption; bad files fail at load with the tensor named; the plan says what the weights are."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_oracle import assert_greedy_under_preemption, ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.testing.fp8_checkpoints import hf_dequantized, write_dsv4_release_checkpoint
+from test_deepseek_v4 import CSA, HCA, SW, build, hf_greedy, prompts_of
+
+NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+# Wide enough for two 128 x 128 FP8 blocks across the hidden size and several MXFP4 groups per row.
+SHAPE = dict(layer_types=[SW, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8,
+             index_topk=3, hidden_size=256, moe_intermediate_size=64, q_lora_rank=128, head_dim=64,
+             o_lora_rank=32)
+
+
+@pytest.fixture(scope="module")
+def unquantized(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("dsv4")
+    build(path, 0, **SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def release(unquantized, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(checkpoint, prompts, HF's greedy tokens on the dequantized files)."""
+    path = write_dsv4_release_checkpoint(unquantized, tmp_path_factory.mktemp("dsv4_release"))
+    prompts = prompts_of([1, 9, 40, 130], 3)
+    hf = hf_dequantized(path)
+    return path, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("budget,chunk", [(4096, None), (7, 5), (64, 19)])
+def test_release_files_give_hf_dequantized_tokens(release, budget, chunk):
+    path, prompts, want = release
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=budget,
+              **({"long_prefill_token_threshold": chunk} if chunk else {}))
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+
+
+@pytest.mark.slow
+def test_release_files_under_preemption(release):
+    path, _, _ = release
+    prompts = prompts_of([30] * 6, 12)
+    hf = hf_dequantized(path)
+    # As test_deepseek_v4's: the compressed layers' entries outgrow what admission reserved.
+    assert_greedy_under_preemption(path, prompts, [hf_greedy(hf, p, 60) for p in prompts], 60, num_kv_blocks=10)
+
+
+def test_quantization_changes_the_tokens(release, unquantized):
+    """The oracle is sensitive to the format: the unquantized weights give other tokens (a wrong scale or nibble
+    order in ladle could not hide behind weights too small to matter)."""
+    path, prompts, want = release
+    assert ladle_tokens(LLM(unquantized, dtype="float32"), prompts, GREEDY) != want
+
+
+def test_the_weights_stay_quantized_and_the_plan_says_so(release, unquantized):
+    path, _, _ = release
+    llm = LLM(path, dtype="float32")
+    model = llm.engine.core.model_executor.runner.model
+    experts = model.layers[1].ffn.experts
+    assert (experts.weight_format, experts.w13.dtype, experts.w13_scale_inv.dtype) == (
+        "mxfp4", torch.int8, torch.float8_e8m0fnu)
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].attn.wq_a.weight_scale_inv.dtype == torch.float8_e8m0fnu
+    assert model.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # bf16 in the files, not quantized
+    report = llm.engine.core.config.report()
+    assert "FP8 e4m3 + E8M0 scales" in report and "MXFP4 + E8M0 scales" in report and "in 3 layers" in report
+    assert "routed experts MXFP4" in report  # the quantization setting's provenance
+
+    def weight_bytes(llm: LLM) -> int:
+        return sum(t.numel() * t.element_size() for t in llm.engine.core.model_executor.runner.model.parameters())
+
+    assert weight_bytes(llm) < 0.5 * weight_bytes(LLM(unquantized, dtype="float32"))
+
+
+W1 = "layers.1.ffn.experts.2.w1"
+WQ = "layers.0.attn.wq_a"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.__setitem__(f"{W1}.scale", t[f"{W1}.scale"][:, :4].contiguous()), "scale grid shape"),
+    (lambda t: t.pop(f"{WQ}.scale"), f"{WQ}.weight is quantized but the checkpoint has no scale"),
+    # The E8M0 bytes' values written as fp32 numbers: read as the format says, each would be wrong.
+    (lambda t: t.__setitem__(f"{WQ}.scale", t[f"{WQ}.scale"].float()), f"{WQ}'s scales are F32, but .* F8_E8M0"),
+    (lambda t: t[f"{W1}.scale"].view(torch.uint8).view(-1)[0].fill_(255), "not finite"),  # 0xFF is E8M0's NaN
+    (lambda t: t.__setitem__(f"{W1}.weight", torch.zeros(64, 256, dtype=torch.float8_e4m3fn)),
+     f"{W1}.weight is F8_E4M3, but .* MXFP4"),
+])
+def test_bad_release_files_fail_at_load_naming_the_tensor(tmp_path, unquantized, edit, message):
+    path = write_dsv4_release_checkpoint(unquantized, tmp_path / "bad", edit=edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32")
+
+
+@pytest.mark.parametrize("where,field,value,message", [
+    ("quantization_config", "scale_fmt", "e4m3", "scale_fmt 'e4m3' is not supported"),
+    (None, "expert_dtype", "int4", "expert_dtype 'int4' is not supported"),
+])
+def test_release_config_fields_are_read_or_refused(tmp_path, unquantized, where, field, value, message):
+    path = Path(write_dsv4_release_checkpoint(unquantized, tmp_path / "q"))
+    config = json.loads((path / "config.json").read_text())
+    (config if where is None else config[where])[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), dtype="float32")
