@@ -153,12 +153,6 @@ def test_a_stacked_part_off_the_block_grid_is_refused():
         Fp8Linear(256, 256 + 64, bias=False, block=(128, 128), shards={"q_proj": (0, 192), "k_proj": (192, 128)})
 
 
-def test_fp8_files_of_a_model_without_an_fp8_form_are_refused(tmp_path):
-    path = write_fp8_checkpoint(build_checkpoint(tmp_path / "q35", "qwen3_5", seed=0), tmp_path / "q35_fp8")
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not load FP8 checkpoints yet"):
-        LLM(path, num_kv_blocks=16)
-
-
 MOE = dict(SHAPE, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
 
 

@@ -35,9 +35,8 @@ def _build(path, seed: int, **mix) -> object:
     import transformers
 
     name = "Qwen3_5Moe" if "num_experts" in mix else "Qwen3_5"
-    config = getattr(transformers, f"{name}TextConfig")(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=len(mix["layer_types"]),
-        max_position_embeddings=8192, **mix)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, max_position_embeddings=8192) | mix
+    config = getattr(transformers, f"{name}TextConfig")(num_hidden_layers=len(mix["layer_types"]), **shape)
     config.architectures = [f"{name}ForCausalLM"]
     torch.manual_seed(seed)
     hf = getattr(transformers, f"{name}ForCausalLM")(config).eval()

@@ -90,7 +90,6 @@ class DecoderForCausalLM(nn.Module):
 
     qk_norm: bool = False
     tensor_parallel: ClassVar[bool] = True  # shard() covers every layer (a subclass with others says False)
-    fp8_checkpoints: ClassVar[bool] = True  # every weight is an nn.Linear's (a subclass with others says False)
     # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
     cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
 

@@ -82,7 +82,6 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
-    fp8_checkpoints: ClassVar[bool] = True  # the release's files: FP8 linears, MXFP4 routed experts
     cpu_kernels: tuple[str, str] | None = None  # it runs torch's kernels everywhere: no row in the table
 
     def __init__(self, config: Any) -> None:

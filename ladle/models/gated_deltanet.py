@@ -59,9 +59,12 @@ class GatedDeltaNet(OpsModule):
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.kernel = config.linear_conv_kernel_dim
         self.conv_dim = 2 * key_dim + value_dim
-        self.sizes = (self.conv_dim, value_dim, self.num_v_heads, self.num_v_heads)
-        self.in_proj = StackedLinear(config.hidden_size, dict(zip(
-            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), self.sizes)), bias=False)
+        # Two stacks, as vLLM's in_proj_qkvz and in_proj_ba: FP8 releases quantize the wide projections and
+        # leave b and a (a row per value head, under one 128-row block) in bf16.
+        self.in_proj_qkvz = StackedLinear(config.hidden_size, {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim},
+                                          bias=False)
+        self.in_proj_ba = StackedLinear(config.hidden_size, {"in_proj_b": self.num_v_heads,
+                                                             "in_proj_a": self.num_v_heads}, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -71,7 +74,8 @@ class GatedDeltaNet(OpsModule):
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; state: this layer's (conv [slots, C, K-1], recurrent [slots, H, Dk, Dv])."""
         t = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        mixed, z = self.in_proj_qkvz(x).split((self.conv_dim, self.in_proj_qkvz.out_features - self.conv_dim), -1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         mixed = self._conv(mixed, state[0], meta)
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = mixed.split((key_dim, key_dim, self.conv_dim - 2 * key_dim), dim=-1)

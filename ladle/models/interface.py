@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 class CausalLM(Protocol):
     # Whether shard() covers every layer the model has; False: it runs with tensor_parallel_size 1 only.
     tensor_parallel: ClassVar[bool]
-    # Whether its linears load block-scaled FP8 checkpoints (ladle.quantization); False: refused at load.
-    fp8_checkpoints: ClassVar[bool]
     # (value, reason) for the settings table: which kernels lay_out_for_cpu gave it; None: no row.
     cpu_kernels: tuple[str, str] | None
 

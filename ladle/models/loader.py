@@ -115,9 +115,6 @@ def load_model(
                                  "tensor_parallel_size 1")
             slices = model.shard(tp)
         if quant is not None:
-            if not model_cls.fp8_checkpoints:
-                raise ValueError(f"{model_cls.__name__} does not load FP8 checkpoints yet; use an unquantized "
-                                 "(bf16/fp32) checkpoint of it")
             raw = checkpoint_dtypes(files)
             renames = scale_names(raw)
             name_of = getattr(model, "checkpoint_name", lambda name: name)  # the model's own renames on load

@@ -130,7 +130,6 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     tensor_parallel = False  # its Gated DeltaNet and gated attention layers have no sharded form yet
-    fp8_checkpoints = False  # its fused Gated DeltaNet projections need their scales split per head group
     """HF's Qwen3_5ForCausalLM (text only), also serving the text of Qwen3_5ForConditionalGeneration
     checkpoints (the registry hands it their text_config)."""
 

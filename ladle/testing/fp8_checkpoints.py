@@ -96,14 +96,15 @@ def write_dsv4_release_checkpoint(src: str | Path, dst: str | Path, edit: Edit |
 
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
                          edit: Edit | None = None) -> str:
-    """dst: src with every `*_proj.weight` matrix quantized; edit(tensors) may break the tensors before they
-    are saved (the bad-file tests)."""
+    """dst: src with every `*_proj.weight` matrix quantized, and Qwen3.5's Gated DeltaNet `in_proj_qkv` and
+    `in_proj_z` (its `in_proj_b` and `in_proj_a`, a row per value head, stay unquantized); edit(tensors) may
+    break the tensors before they are saved (the bad-file tests)."""
     src, dst = Path(src), Path(dst)
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(src / "model.safetensors").items():
-        if name.endswith("_proj.weight") and tensor.dim() == 2:
+        if name.endswith(("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight")) and tensor.dim() == 2:
             values, scales = quantize_block_fp8(tensor, block)
             tensors[name] = values
             tensors[name.removesuffix("weight") + "weight_scale_inv"] = scales
