@@ -58,6 +58,7 @@ class EngineArgs:
     cudagraph_mode: str | None = None  # FULL | FULL_DECODE_ONLY (CUDA); default FULL
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
     quantization: str | None = None  # fp8; default: what the checkpoint's quantization_config says
+    dequantize_weights: bool = False  # widen a quantized checkpoint's weights to the model dtype at load
     async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
     profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
     num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
@@ -106,6 +107,8 @@ class EngineArgs:
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization={self.quantization!r}: ladle reads 'fp8' checkpoints (block-scaled "
                              "e4m3); online quantization of unquantized weights is not implemented")
+        if not isinstance(self.dequantize_weights, bool):
+            raise ValueError(f"dequantize_weights={self.dequantize_weights!r} is not a bool")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

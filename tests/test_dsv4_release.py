@@ -113,3 +113,19 @@ def test_release_config_fields_are_read_or_refused(tmp_path, unquantized, where,
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(path), dtype="float32")
+
+
+def test_dequantize_weights_widens_at_load_and_gives_the_same_tokens(release, unquantized):
+    path, prompts, want = release
+    llm = LLM(path, dtype="float32", dequantize_weights=True)
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    model = llm.engine.core.model_executor.runner.model
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float32}
+    assert model.layers[1].ffn.experts.weight_format is None
+    setting = llm.engine.core.config.settings["dequantize_weights"]
+    assert (setting.value, setting.source) == (True, "explicit")
+    assert "FP8 e4m3" not in llm.engine.core.config.report().split("weights", 1)[1].splitlines()[0]
+    kept = LLM(path, dtype="float32").engine.core.config.settings["dequantize_weights"]
+    assert (kept.value, kept.source, kept.reason) == (False, "derived", "the checkpoint's quantized weights stay quantized")
+    with pytest.raises(ValueError, match="checkpoint is unquantized: nothing to widen"):
+        LLM(unquantized, dtype="float32", dequantize_weights=True)

@@ -73,6 +73,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=("fp8",), default=S,
                    help="the checkpoint's weight format (default: what its quantization_config says; a value that "
                         "contradicts the checkpoint is refused)")
+    p.add_argument("--dequantize-weights", action="store_true", default=S,
+                   help="widen a quantized checkpoint's FP8/MXFP4 weights to --dtype at load (for comparison, or "
+                        "where a quantized kernel is missing: FP8 experts on CUDA); refused for an unquantized one")
     p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
                    help="reuse the activation profile stored by an earlier start of the same model, dtype, "
                         "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
@@ -99,7 +102,8 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "num_state_checkpoints",
                "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
-               "cudagraph_mode", "async_scheduling", "load_format", "quantization", "profile_cache", "num_threads", "attention_backend",
+               "cudagraph_mode", "async_scheduling", "load_format", "quantization", "dequantize_weights", "profile_cache",
+               "num_threads", "attention_backend",
                "tensor_parallel_size", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(

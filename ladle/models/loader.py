@@ -14,7 +14,7 @@ from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
-from ladle.quantization.apply import checkpoint_dtypes, scale_names, use_fp8_linears, with_scale_slices
+from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
 
 _SINGLE_FILE = "model.safetensors"
@@ -91,11 +91,12 @@ def load_config(model_dir: str) -> Any:
 
 def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
-    config: Any = None, tp: TensorParallel = SINGLE,
+    config: Any = None, tp: TensorParallel = SINGLE, dequantize: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
-    config.json). With tp of several ranks, only rank tp.rank's shard is built and read."""
+    config.json). With tp of several ranks, only rank tp.rank's shard is built and read. dequantize: a
+    quantized checkpoint's layers are widened to dtype once loaded."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
@@ -126,7 +127,7 @@ def load_model(
                 slices = with_scale_slices(slices, quant.block, dtypes)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
-    if device.type == "cuda" and any(getattr(m, "weight_format", None) for m in model.modules()):
+    if device.type == "cuda" and not dequantize and any(getattr(m, "weight_format", None) for m in model.modules()):
         raise ValueError("FP8 or MXFP4 experts on CUDA need a Triton quantized MoE kernel, which ladle does not "
                          "have yet; run this checkpoint on CPU or use an unquantized one")
     for module in model.modules():
@@ -143,6 +144,8 @@ def load_model(
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint {model_dir} has no weights for parameters: {shown}")
+        if dequantize:
+            dequantize_layers(model, dtype)
 
     if device.type == "cpu":
         model.lay_out_for_cpu()

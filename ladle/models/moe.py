@@ -84,6 +84,24 @@ class FusedMoE(OpsModule):
         self.keep_dtypes = ("w13", "w2", "w13_scale_inv", "w2_scale_inv")
         self.weight_format, self.scale_block = fmt, block
 
+    def dequantize(self, dtype: torch.dtype) -> None:
+        """Replace the quantized stacks by dense ones in dtype (--dequantize-weights)."""
+        stacks = self._stacks(dtype)
+        self.w13, self.w2 = (nn.Parameter(torch.stack([s[e] for e in range(self.num_experts)]), requires_grad=False)
+                             for s in stacks)
+        del self.w13_scale_inv, self.w2_scale_inv
+        self.keep_dtypes, self.weight_format, self.scale_block = (), None, (1, 1)
+
+    def _stacks(self, dtype: torch.dtype) -> tuple[Any, Any]:
+        """(w13, w2) indexable by expert in dtype: the parameters, or views widening one expert when asked."""
+        if self.weight_format == "fp8":
+            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype),
+                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype))
+        if self.weight_format == "mxfp4":
+            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype),
+                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype))
+        return self.w13, self.w2
+
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
         size = self.intermediate_size
@@ -102,15 +120,7 @@ class FusedMoE(OpsModule):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
-        w13: Any = self.w13
-        w2: Any = self.w2
-        # Quantized experts: each routed expert widened when the step reaches it.
-        if self.weight_format == "fp8":
-            w13 = Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, x.dtype)
-            w2 = Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, x.dtype)
-        elif self.weight_format == "mxfp4":
-            w13 = Mxfp4ExpertStack(self.w13, self.w13_scale_inv, x.dtype)
-            w2 = Mxfp4ExpertStack(self.w2, self.w2_scale_inv, x.dtype)
+        w13, w2 = self._stacks(x.dtype)  # quantized: each routed expert widened when the step reaches it
         return self.ops.fused_experts(x, w13, w2, weights, ids, self.swiglu_limit)
 
 

@@ -105,6 +105,29 @@ def with_scale_slices(slices: dict, block: tuple[int, int], dtypes: dict[str, st
     return out
 
 
+@torch.no_grad()
+def dequantize_layers(model: nn.Module, dtype: torch.dtype) -> int:
+    """Widen every quantized layer to dtype, once, after loading (--dequantize-weights): an Fp8Linear becomes
+    an nn.Linear (its stack's shards kept), quantized experts dense stacks; returns how many layers."""
+    widened = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear):
+                dense = nn.Linear(child.in_features, child.out_features, child.bias is not None,
+                                  device=child.weight.device, dtype=dtype)
+                dense.weight.copy_(child.dequantized(0, child.out_features, dtype))
+                if child.bias is not None:
+                    dense.bias.copy_(child.bias)
+                if child.shards:
+                    dense.shards = child.shards  # type: ignore[assignment]
+                setattr(parent, name, dense.requires_grad_(False))
+                widened += 1
+            elif getattr(child, "weight_format", None) is not None:
+                child.dequantize(dtype)
+                widened += 1
+    return widened
+
+
 def weights_format(model: nn.Module) -> str:
     """What the weight bytes are, for the plan's weights line ('' when all are in the model dtype): each
     quantized format's bytes with their scales', then the rest by dtype."""

@@ -168,12 +168,18 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
     hf_config = load_config(args.model)
-    _, value, why = resolve_quantization(args.quantization, hf_config)
+    quant, value, why = resolve_quantization(args.quantization, hf_config)
     prov.put("quantization", value, "" if "quantization" in prov.explicit else why)
+    if args.dequantize_weights and quant is None:
+        raise ValueError("dequantize_weights is set, but the checkpoint is unquantized: nothing to widen; drop it")
+    prov.put("dequantize_weights", args.dequantize_weights,
+             "" if "dequantize_weights" in prov.explicit else "the checkpoint's quantized weights stay quantized"
+             if quant is not None else "an unquantized checkpoint: nothing to widen")
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
-    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp)
+    model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
+                                  args.dequantize_weights)
     lending = keep_lending(lending, model, prov)
     if model.cpu_kernels is not None and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)

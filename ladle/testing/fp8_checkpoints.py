@@ -63,7 +63,17 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _DSV4_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts\.w[123]|indexer\.wq_b)\.weight$")
 _DSV4_FP4 = re.compile(r"ffn\.experts\.\d+\.w[123]\.weight$")
-_DSV4_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape)$")
+_DSV4_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
+
+
+def dsv4_release_format(name: str) -> str:
+    """What DeepSeek-V4's release stores the tensor `name` (DeepSeek's name) as: 'fp8', 'mxfp4', 'fp32' or
+    'bf16' (a floating tensor; integer ones, the hash tables, are kept as they are)."""
+    if _DSV4_FP8.search(name):
+        return "fp8"
+    if _DSV4_FP4.search(name):
+        return "mxfp4"
+    return "fp32" if _DSV4_FP32.search(name) else "bf16"
 
 
 def write_dsv4_release_checkpoint(src: str | Path, dst: str | Path, edit: Edit | None = None) -> str:
@@ -74,15 +84,13 @@ def write_dsv4_release_checkpoint(src: str | Path, dst: str | Path, edit: Edit |
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         name = name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("lm_head.", "head.")
-        scale = name.removesuffix("weight") + "scale"
-        if _DSV4_FP8.search(name):
+        scale, fmt = name.removesuffix("weight") + "scale", dsv4_release_format(name)
+        if fmt == "fp8":
             tensors[name], tensors[scale] = quantize_block_fp8_e8m0(tensor, (128, 128))
-        elif _DSV4_FP4.search(name):
+        elif fmt == "mxfp4":
             tensors[name], tensors[scale] = quantize_mxfp4(tensor)
-        elif _DSV4_FP32.search(name) or name.endswith("gate.bias") or not tensor.is_floating_point():
-            tensors[name] = tensor
         else:
-            tensors[name] = tensor.to(torch.bfloat16)
+            tensors[name] = tensor.to(torch.bfloat16) if fmt == "bf16" and tensor.is_floating_point() else tensor
     if edit is not None:
         edit(tensors)
     save_file(tensors, dst / "model.safetensors")
