@@ -129,3 +129,27 @@ def test_dequantize_weights_widens_at_load_and_gives_the_same_tokens(release, un
     assert (kept.value, kept.source, kept.reason) == (False, "derived", "the checkpoint's quantized weights stay quantized")
     with pytest.raises(ValueError, match="checkpoint is unquantized: nothing to widen"):
         LLM(unquantized, dtype="float32", dequantize_weights=True)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 256, 64), (3, 64, 256), (24, 96, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dtype):
+    """ladle's mxfp4_linear (an expert's decode rows) against F.linear on the widened weight: every nibble
+    (both signs of zero), scales from 2^-127 (E8M0's 0) to 2^8, partial 4-row tiles."""
+    from ladle.kernels.cpu_kernels import load
+    from ladle.quantization.mxfp4 import Mxfp4ExpertStack
+
+    torch.manual_seed(rows * k)
+    packed = torch.randint(0, 256, (2, n, k // 2), dtype=torch.uint8).view(torch.int8)
+    packed.view(torch.uint8)[0, 0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE])
+    scales = torch.randint(110, 135, (2, n, k // 32), dtype=torch.uint8)
+    scales[0, 0, 0], scales[0, 1, 0] = 0, 135
+    scales = scales.view(torch.float8_e8m0fnu)
+    x = torch.randn(rows, k).to(dtype)
+    stack = Mxfp4ExpertStack(packed, scales, dtype, load())
+    for expert in range(2):
+        want = torch.nn.functional.linear(x.float(), stack[expert].float())
+        got = stack.linear(x, expert).float()
+        assert got.shape == (rows, n)
+        torch.testing.assert_close(got, want.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-30 + (want.abs().max().item() * (1e-2 if dtype == torch.bfloat16 else 1e-5)))

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ladle.paths import cache_dir
 
-SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "norm_rope.c")
+SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "norm_rope.c")
 # No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -93,6 +93,7 @@ class CpuKernels:
                                          status)
         self.fp8_linear = self._typed("fp8_linear", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, flag,
                                                      flag], status)
+        self.mxfp4_linear = self._typed("mxfp4_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag], status)
         self.rms_norm = self._typed("rms_norm", [_ptr, _i64, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.add_rms_norm = self._typed("add_rms_norm", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.norm_rope = self._typed("norm_rope",

@@ -19,11 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.kernels.cpu_kernels import KernelUnavailable
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
+from ladle.models.cpu_linear import pack
 from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Attention, Dsv4Rope
 from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
 from ladle.models.decoder import copy_checkpoint
 from ladle.models.deepseek_v4_moe import MoE
+from ladle.quantization.fp8_linear import Fp8Linear
 
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
@@ -82,7 +86,7 @@ class Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
-    cpu_kernels: tuple[str, str] | None = None  # it runs torch's kernels everywhere: no row in the table
+    cpu_kernels: tuple[str, str] | None = None  # torch's kernels, but for quantized layers (lay_out_for_cpu)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -166,7 +170,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         raise NotImplementedError("DeepSeek-V4 has no tensor-parallel form (tensor_parallel is False)")
 
     def lay_out_for_cpu(self) -> None:
-        """Nothing to lay out: its weights stay as torch holds them (no C kernels for it yet)."""
+        """Its unquantized weights stay as torch holds them; quantized layers (the release's FP8 linears and
+        MXFP4 experts) take ladle's C kernels for decode rows, where they build."""
+        quantized = [m for m in self.modules() if isinstance(m, Fp8Linear) or getattr(m, "weight_format", None)]
+        if not quantized:
+            return
+        try:
+            kernels = load_cpu_kernels()
+        except KernelUnavailable:
+            return  # torch widens them instead: slower, the same numbers
+        native_bf16 = pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None
+        for module in quantized:
+            module.use_cpu_kernels(kernels, native_bf16)
+        self.cpu_kernels = ("ladle-c", "FP8 and MXFP4 layers read their bytes in C for decode rows; the rest torch")
 
     @torch.no_grad()
     def init_dummy_buffers(self, generator: torch.Generator) -> None:

@@ -47,6 +47,10 @@ class FusedMoE(OpsModule):
         # they are, with scales of (rows, columns) each.
         self.weight_format: str | None = None
         self.scale_block = (1, 1)
+        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for MXFP4 decode rows, set on CPU
+
+    def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
+        self.kernels = kernels
 
     def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
         """The checkpoint modules whose weights, FP8 or not, decide this layer's format."""
@@ -98,8 +102,8 @@ class FusedMoE(OpsModule):
             return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype),
                     Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype))
         if self.weight_format == "mxfp4":
-            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype),
-                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype))
+            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype, self.kernels),
+                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype, self.kernels))
         return self.w13, self.w2
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:

@@ -5,6 +5,7 @@ HF-exact oracle, on CPU) or the fused Triton kernels (CUDA). Modules that use th
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,10 +71,10 @@ class TorchOps:
             pairs = order[start : start + n]
             start += n
             tokens = pairs // top_k
-            gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+            gate, up = _expert_linear(x[tokens], w13, expert).chunk(2, dim=-1)
             if swiglu_limit is not None:  # DeepSeek-V4 clamps both halves
                 gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
-            h = F.linear(F.silu(gate) * up, w2[expert]) * flat_weights[pairs, None]
+            h = _expert_linear(F.silu(gate) * up, w2, expert) * flat_weights[pairs, None]
             out.index_add_(0, tokens, h)
         return out
 
@@ -83,6 +84,12 @@ class TorchOps:
         from ladle.models.delta_rule import torch_gated_delta_rule
 
         return torch_gated_delta_rule(q, k, v, g, beta, rec_state, meta)
+
+
+def _expert_linear(x: torch.Tensor, stack: Any, expert: int) -> torch.Tensor:
+    """x @ stack[expert]^T, by the stack's own product where it has one (packed MXFP4 read in C)."""
+    linear = getattr(stack, "linear", None)
+    return linear(x, expert) if linear is not None else F.linear(x, stack[expert])
 
 
 class TritonOps:

@@ -3,9 +3,14 @@ int8 tensor [out, in / 2], and one E8M0 power-of-two scale per 32 inputs [out, i
 memory (an eighth of fp32's bytes, plus a byte per 32 values); an expert is widened when a step routes to it."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from ladle.quantization.config import MXFP4_GROUP
+
+KERNEL_MAX_ROWS = 24  # up to this many token rows an expert's product reads the packed bytes in C (CPU)
 
 # e2m1: sign, two exponent bits, one mantissa bit; code c's value, the sign bit (8) negating it.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -23,11 +28,26 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 class Mxfp4ExpertStack:
     """Stacked experts' packed weights [E, R, C / 2] and scales [E, R, C / 32], indexed like the dequantized
-    stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked."""
+    stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked. With ladle's C kernels (CPU),
+    linear() multiplies a decode step's few rows by the packed bytes directly (ladle/kernels/cpu/mxfp4_linear.c)."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        self.packed, self.scales, self.dtype = packed, scales, dtype
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Any = None) -> None:
+        self.packed, self.scales, self.dtype, self.kernels = packed, scales, dtype, kernels
         self.shape = (*packed.shape[:-1], 2 * packed.shape[-1])
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [T, C] @ expert's weight^T -> [T, R]."""
+        rows = x.shape[0]
+        if self.kernels is None or not 0 < rows <= KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(x, self[expert])
+        x = x.contiguous()
+        y = torch.empty(rows, self.shape[1], dtype=x.dtype)
+        failed = self.kernels.mxfp4_linear(x.data_ptr(), self.packed[expert].data_ptr(),
+                                           self.scales[expert].data_ptr(), y.data_ptr(), rows, self.shape[1],
+                                           self.shape[2], int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"mxfp4_linear could not allocate {rows} x {self.shape[2]} floats")
+        return y
