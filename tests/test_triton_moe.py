@@ -67,13 +67,17 @@ def test_fused_experts_match_the_torch_experts(tokens, top_k, num_experts, hidde
 def test_grouped_gemm_compiles_for_hopper():
     compile_for_sm90("""
 from ladle.kernels.triton_moe import _grouped_gemm_kernel
-for dtype in ("*bf16", "*fp16"):
-    types = {"a": dtype, "b": dtype, "c": dtype, "weights": "*fp32", "sorted_ids": "*i32", "expert_ids": "*i32",
-             "num_pairs": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_be": "i32",
-             "stride_bn": "i32", "stride_bk": "i32", "stride_cm": "i32"}
-    for scale in (False, True):
-        build(_grouped_gemm_kernel, types, {"ROWS_PER_A": 2, "SCALE": scale, "BLOCK_M": 16, "BLOCK_N": 64,
-                                            "BLOCK_K": 64}, num_warps=4)
+base = {"weights": "*fp32", "sorted_ids": "*i32", "expert_ids": "*i32", "num_pairs": "i32", "N": "i32", "K": "i32",
+        "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bk": "i32", "stride_se": "i32",
+        "stride_sn": "i32", "stride_cm": "i32"}
+# FORMAT 0: dense weights; 1: e4m3 bytes + fp32 block scales; 2: MXFP4 bytes + E8M0 scale bytes.
+for fmt, b, scales in ((0, None, None), (1, "*u8", "*fp32"), (2, "*i8", "*u8")):
+    for dtype in ("*bf16", "*fp16"):
+        types = dict(base, a=dtype, b=b or dtype, s=scales or dtype, c=dtype)
+        for scale in (False, True):
+            build(_grouped_gemm_kernel, types, {"ROWS_PER_A": 2, "SCALE": scale, "FORMAT": fmt, "SCALE_N": 128,
+                                                "SCALE_K": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
+                  num_warps=4)
 print("compiled for sm_90")
 """)
 

@@ -127,9 +127,6 @@ def load_model(
                 slices = with_scale_slices(slices, quant.block, dtypes)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
-    if device.type == "cuda" and not dequantize and any(getattr(m, "weight_format", None) for m in model.modules()):
-        raise ValueError("FP8 or MXFP4 experts on CUDA need a Triton quantized MoE kernel, which ladle does not "
-                         "have yet; run this checkpoint on CPU or use an unquantized one")
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_buffers()  # to_empty left it uninitialised, and it must stay fp32

@@ -47,7 +47,7 @@ class FusedMoE(OpsModule):
         # they are, with scales of (rows, columns) each.
         self.weight_format: str | None = None
         self.scale_block = (1, 1)
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for MXFP4 decode rows, set on CPU
+        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized decode rows, set on CPU
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
         self.kernels = kernels
@@ -99,8 +99,8 @@ class FusedMoE(OpsModule):
     def _stacks(self, dtype: torch.dtype) -> tuple[Any, Any]:
         """(w13, w2) indexable by expert in dtype: the parameters, or views widening one expert when asked."""
         if self.weight_format == "fp8":
-            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype),
-                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype))
+            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype, self.kernels),
+                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype, self.kernels))
         if self.weight_format == "mxfp4":
             return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype, self.kernels),
                     Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype, self.kernels))

@@ -3,7 +3,8 @@
 The checkpoint's own tensors are the parameters: `weight` [out, in] in float8_e4m3fn and `weight_scale_inv`
 [ceil(out / rows), ceil(in / cols)] in fp32, so the weights take a quarter of fp32's bytes. On CPU, decode rows
 (and bf16 inputs of any size where torch's bf16 matmul is slow) go through ladle's fp8_linear C kernel, which
-reads the FP8 bytes directly (ladle/kernels/cpu/fp8_linear.c). Otherwise a forward dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
+reads the FP8 bytes directly (ladle/kernels/cpu/fp8_linear.c); on CUDA, a Triton GEMM widens them in its inner
+loop (ladle/kernels/triton_quant.py). Otherwise a forward dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
 dequantize does) and multiplies, so the workspace is one tile, never the layer or the model. A stacked layer
 (q/k/v, gate/up) fills its rows and its scale grid's rows from the checkpoint's parts; a part must start on the
 block grid, or its scales would cover two parts.
@@ -34,14 +35,41 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[i
 
 class Fp8ExpertStack:
     """Stacked experts' FP8 weights [E, R, C] and scales [E, R / rows, C / cols], indexed like the dequantized
-    stack: stack[e] is expert e's weight in dtype, made when asked, so a step holds one expert's at a time."""
+    stack: stack[e] is expert e's weight in dtype, made when asked, so a step holds one expert's at a time. With
+    ladle's C kernels (CPU), linear() multiplies a decode step's few rows by the FP8 bytes directly."""
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
-        self.values, self.scales, self.block, self.dtype = values, scales, block, dtype
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                 kernels: Any = None) -> None:
+        self.values, self.scales, self.block, self.dtype, self.kernels = values, scales, block, dtype, kernels
         self.shape = values.shape
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [T, C] @ expert's weight^T -> [T, R]."""
+        rows = x.shape[0]
+        if self.kernels is None or not 0 < rows <= KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(x, self[expert])
+        return fp8_kernel_linear(self.kernels, x, self.values[expert], self.scales[expert], self.block, None)
+
+
+def fp8_kernel_linear(kernels: Any, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                      block: tuple[int, int], bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight^T (+ bias) by ladle's fp8_linear C kernel, in x's dtype (fp32 or bf16)."""
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    x2 = x.reshape(rows, in_features).contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    scales = scales.float().contiguous()  # E8M0 widened: the grid is 1/16384th of the weight
+    failed = kernels.fp8_linear(x2.data_ptr(), weight.data_ptr(), scales.data_ptr(),
+                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features,
+                                in_features, block[0], block[1], int(x.dtype == torch.bfloat16),
+                                torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"fp8_linear could not allocate {rows} x {in_features} floats")
+    return y
 
 
 class Fp8Linear(nn.Module):
@@ -88,25 +116,15 @@ class Fp8Linear(nn.Module):
         self.kernels = kernels
         self.bf16_max_rows = KERNEL_MAX_ROWS if native_bf16 else sys.maxsize
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        x2 = x.reshape(rows, self.in_features).contiguous()
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype).contiguous()
-        scales = self.weight_scale_inv.float()  # E8M0 widened: the grid is 1/16384th of the weight
-        failed = self.kernels.fp8_linear(
-            x2.data_ptr(), self.weight.data_ptr(), scales.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), rows, self.out_features, self.in_features,
-            self.block[0], self.block[1], int(x.dtype == torch.bfloat16), torch.get_num_threads())
-        if failed:
-            raise MemoryError(f"fp8_linear could not allocate {rows} x {self.in_features} floats")
-        return y
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         limit = {torch.float32: KERNEL_MAX_ROWS, torch.bfloat16: self.bf16_max_rows}.get(x.dtype, 0)
         if self.kernels is not None and 0 < rows <= limit:
-            return self._kernel(x)
+            return fp8_kernel_linear(self.kernels, x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        if x.is_cuda:  # widened inside a Triton GEMM's inner loop
+            from ladle.kernels.triton_quant import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
         tile = max(self.block[0], TILE_ROWS // self.block[0] * self.block[0])
         if self.out_features <= tile:
             return F.linear(x, self.dequantized(0, self.out_features, x.dtype), self.bias)

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.quantization.config import MXFP4_GROUP
-
-KERNEL_MAX_ROWS = 24  # up to this many token rows an expert's product reads the packed bytes in C (CPU)
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 
 # e2m1: sign, two exponent bits, one mantissa bit; code c's value, the sign bit (8) negating it.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -103,16 +103,19 @@ def write_dsv4_release_checkpoint(src: str | Path, dst: str | Path, edit: Edit |
 
 
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
-                         edit: Edit | None = None) -> str:
+                         edit: Edit | None = None, expert_dtype: str = "fp8") -> str:
     """dst: src with every `*_proj.weight` matrix quantized, and Qwen3.5's Gated DeltaNet `in_proj_qkv` and
     `in_proj_z` (its `in_proj_b` and `in_proj_a`, a row per value head, stay unquantized); edit(tensors) may
-    break the tensors before they are saved (the bad-file tests)."""
+    break the tensors before they are saved (the bad-file tests); expert_dtype "fp4": routed experts' weights
+    MXFP4 instead, with E8M0 scales, as DeepSeek-V4 ships its own."""
     src, dst = Path(src), Path(dst)
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(src / "model.safetensors").items():
-        if name.endswith(("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight")) and tensor.dim() == 2:
+        if expert_dtype == "fp4" and re.search(r"\.experts\.\d+\.\w+_proj\.weight$", name):
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_mxfp4(tensor)
+        elif name.endswith(("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight")) and tensor.dim() == 2:
             values, scales = quantize_block_fp8(tensor, block)
             tensors[name] = values
             tensors[name.removesuffix("weight") + "weight_scale_inv"] = scales
@@ -123,7 +126,7 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
     save_file(tensors, dst / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+                                     "weight_block_size": list(block), "expert_dtype": expert_dtype}
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     return str(dst)
 
