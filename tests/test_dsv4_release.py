@@ -147,6 +147,8 @@ def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dt
     scales = scales.view(torch.float8_e8m0fnu)
     x = torch.randn(rows, k).to(dtype)
     stack = Mxfp4ExpertStack(packed, scales, dtype, load())
+    for expert in range(2):  # a prefill's widening in C: the same bits as torch's
+        assert torch.equal(stack[expert], Mxfp4ExpertStack(packed, scales, dtype)[expert])
     for expert in range(2):
         want = torch.nn.functional.linear(x.float(), stack[expert].float())
         got = stack.linear(x, expert).float()

@@ -12,7 +12,7 @@ from ladle.testing.fp8_checkpoints import hf_dequantized, quantize_block_fp8, wr
 from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
-from ladle.quantization.fp8_linear import Fp8Linear
+from ladle.quantization.fp8_linear import Fp8ExpertStack, Fp8Linear
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              intermediate_size=512)  # every projection a whole number of 128 x 128 blocks, as in the releases
@@ -129,22 +129,35 @@ def test_quantization_config_fields_are_read_or_refused(tmp_path, unquantized, f
         LLM(path, num_kv_blocks=16)
 
 
-def test_ragged_blocks_dequantize_by_their_own_scales():
+@pytest.mark.parametrize("c_kernels", [False, True])
+def test_ragged_blocks_dequantize_by_their_own_scales(monkeypatch, c_kernels):
     """Shapes off the block grid (an edge block smaller than 128 x 128; HF's dequantize assumes whole blocks):
-    each entry is its value times its block's scale, tile by tile past TILE_ROWS."""
+    each entry is its value times its block's scale, in torch or ladle's C widening (bf16 rounded alike), and a
+    forward tile by tile (tiles of 128 rows here) through F.linear or, bf16 rows, skinny_linear."""
+    from ladle.kernels.cpu_kernels import load
+    from ladle.quantization import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "TILE_ELEMENTS", 300 * 128)
     torch.manual_seed(0)
     weight = torch.randn(1100, 300) * 0.05
     values, scales = quantize_block_fp8(weight, (128, 128))
     layer = Fp8Linear(300, 1100, bias=False, block=(128, 128))
     layer.weight.data.copy_(values)
     layer.weight_scale_inv.data.copy_(scales)
+    if c_kernels:
+        layer.use_cpu_kernels(load(), native_bf16=False)
     want = torch.empty(1100, 300)
     for i in range(1100):
         for j0 in range(0, 300, 128):
             want[i, j0 : j0 + 128] = values[i, j0 : j0 + 128].float() * scales[i // 128, j0 // 128]
     assert torch.equal(layer.dequantized(0, 1100, torch.float32), want)
-    x = torch.randn(3, 300)
+    assert torch.equal(layer.dequantized(256, 1100, torch.bfloat16), want[256:].bfloat16())
+    experts = Fp8ExpertStack(values[None], scales[None], (128, 128), torch.bfloat16, layer.kernels)
+    assert torch.equal(experts[0], want.bfloat16())
+    x = torch.randn(30, 300)
     torch.testing.assert_close(layer(x), x @ want.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.bfloat16()).float(), (x.bfloat16().float() @ want.bfloat16().float().T),
+                               rtol=2e-2, atol=2e-2)
     assert (layer.dequantized(0, 1100, torch.float32) - weight).abs().max() < 0.02  # e4m3 keeps ~2 digits
 
 

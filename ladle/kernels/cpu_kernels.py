@@ -93,6 +93,8 @@ class CpuKernels:
                                          status)
         self.fp8_linear = self._typed("fp8_linear", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, flag,
                                                      flag], status)
+        self.fp8_dequantize = self._typed("fp8_dequantize", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, flag, flag])
+        self.mxfp4_dequantize = self._typed("mxfp4_dequantize", [_ptr, _ptr, _ptr, _i64, _i64, flag, flag])
         self.mxfp4_linear = self._typed("mxfp4_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag], status)
         self.rms_norm = self._typed("rms_norm", [_ptr, _i64, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.add_rms_norm = self._typed("add_rms_norm", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, f32, flag, flag])

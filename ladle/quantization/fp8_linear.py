@@ -1,11 +1,13 @@
 """A linear layer whose weight stays block-scaled FP8 in memory (e4m3 values, one fp32 scale per block).
 
 The checkpoint's own tensors are the parameters: `weight` [out, in] in float8_e4m3fn and `weight_scale_inv`
-[ceil(out / rows), ceil(in / cols)] in fp32, so the weights take a quarter of fp32's bytes. On CPU, decode rows
-(and bf16 inputs of any size where torch's bf16 matmul is slow) go through ladle's fp8_linear C kernel, which
-reads the FP8 bytes directly (ladle/kernels/cpu/fp8_linear.c); on CUDA, a Triton GEMM widens them in its inner
-loop (ladle/kernels/triton_quant.py). Otherwise a forward dequantizes `TILE_ROWS` output rows at a time (value x its block's scale, in fp32, then the model dtype, as HF's
-dequantize does) and multiplies, so the workspace is one tile, never the layer or the model. A stacked layer
+[ceil(out / rows), ceil(in / cols)] in fp32 (or E8M0), so the weights take a quarter of fp32's bytes. On CPU,
+decode rows go through ladle's fp8_linear C kernel, which reads the FP8 bytes directly
+(ladle/kernels/cpu/fp8_linear.c); on CUDA, a Triton GEMM widens them in its inner loop
+(ladle/kernels/triton_quant.py). A prefill's rows widen TILE_ELEMENTS weights (whole rows) at a time into the
+model dtype (value x its block's scale, in fp32, then the model dtype, as HF's dequantize does; in C on CPU)
+and multiply them by F.linear, or by skinny_linear where torch's bf16 matmul is slow, so the workspace is one
+tile, never the layer or the model. A stacked layer
 (q/k/v, gate/up) fills its rows and its scale grid's rows from the checkpoint's parts; a part must start on the
 block grid, or its scales would cover two parts.
 """
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TILE_ROWS = 512  # output rows dequantized at once: 512 x in x 4 bytes of workspace
+TILE_ELEMENTS = 1 << 21  # weights widened at once (a whole number of block rows): 8 MiB of fp32 workspace
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 
 
@@ -44,7 +46,9 @@ class Fp8ExpertStack:
         self.shape = values.shape
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
+        if self.kernels is None or self.dtype not in (torch.float32, torch.bfloat16):
+            return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
+        return c_dequantized(self.kernels, self.values[expert], self.scales[expert], self.block, self.dtype)
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, C] @ expert's weight^T -> [T, R]."""
@@ -52,6 +56,16 @@ class Fp8ExpertStack:
         if self.kernels is None or not 0 < rows <= KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self[expert])
         return fp8_kernel_linear(self.kernels, x, self.values[expert], self.scales[expert], self.block, None)
+
+
+def c_dequantized(kernels: Any, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """values [R, C] (e4m3, a weight's rows from a block's first) times their block scales, widened in C."""
+    out = torch.empty(values.shape, dtype=dtype)
+    scales = scales.float().contiguous()
+    kernels.fp8_dequantize(values.contiguous().data_ptr(), scales.data_ptr(), out.data_ptr(), values.shape[0],
+                           values.shape[1], block[0], block[1], int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
 
 
 def fp8_kernel_linear(kernels: Any, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -107,7 +121,10 @@ class Fp8Linear(nn.Module):
         return views
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [start, stop) of the weight in dtype."""
+        """Rows [start, stop) of the weight in dtype (ladle's C widening on CPU when the rows start a block)."""
+        if self.kernels is not None and dtype in (torch.float32, torch.bfloat16) and start % self.block[0] == 0:
+            return c_dequantized(self.kernels, self.weight[start:stop], self.weight_scale_inv[start // self.block[0]:],
+                                 self.block, dtype)
         return dequantize_blocks(self.weight[start:stop], self.weight_scale_inv, self.block, start, dtype)
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
@@ -116,16 +133,44 @@ class Fp8Linear(nn.Module):
         self.kernels = kernels
         self.bf16_max_rows = KERNEL_MAX_ROWS if native_bf16 else sys.maxsize
 
+    def _tile_rows(self) -> int:
+        rows = self.block[0]
+        return max(rows, TILE_ELEMENTS // self.in_features // rows * rows)
+
+    def _widened_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """A prefill's many bf16 rows where torch's bf16 matmul is slow: each tile of weight rows widened to
+        bf16 once, then multiplied by skinny_linear as a bf16 layer's weights are, so the widening is paid once
+        per forward, not once per 4 rows as in fp8_linear (measured: a 1K prefill 1.35x bf16's time that way)."""
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        tile = self._tile_rows()
+        for start in range(0, self.out_features, tile):
+            stop = min(start + tile, self.out_features)
+            weight = self.dequantized(start, stop, x.dtype)
+            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype).contiguous()
+            y = out if stop - start == self.out_features else torch.empty(rows, stop - start, dtype=x.dtype)
+            failed = self.kernels.skinny_linear(x2.data_ptr(), weight.data_ptr(),
+                                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                                                stop - start, self.in_features, 1, torch.get_num_threads())
+            if failed:
+                raise MemoryError(f"skinny_linear could not allocate {rows} x {self.in_features} floats")
+            if y is not out:
+                out[:, start:stop] = y
+        return out.view(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         limit = {torch.float32: KERNEL_MAX_ROWS, torch.bfloat16: self.bf16_max_rows}.get(x.dtype, 0)
-        if self.kernels is not None and 0 < rows <= limit:
+        if self.kernels is not None and 0 < rows <= min(limit, KERNEL_MAX_ROWS):
             return fp8_kernel_linear(self.kernels, x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        if self.kernels is not None and 0 < rows <= limit:
+            return self._widened_tiles(x)
         if x.is_cuda:  # widened inside a Triton GEMM's inner loop
             from ladle.kernels.triton_quant import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
-        tile = max(self.block[0], TILE_ROWS // self.block[0] * self.block[0])
+        tile = self._tile_rows()
         if self.out_features <= tile:
             return F.linear(x, self.dequantized(0, self.out_features, x.dtype), self.bias)
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)

@@ -35,7 +35,13 @@ class Mxfp4ExpertStack:
         self.shape = (*packed.shape[:-1], 2 * packed.shape[-1])
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)
+        if self.kernels is None or self.dtype not in (torch.float32, torch.bfloat16):
+            return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)
+        out = torch.empty(self.shape[1:], dtype=self.dtype)  # widened in C (a prefill's expert, once a step)
+        self.kernels.mxfp4_dequantize(self.packed[expert].data_ptr(), self.scales[expert].data_ptr(), out.data_ptr(),
+                                      self.shape[1], self.shape[2], int(self.dtype == torch.bfloat16),
+                                      torch.get_num_threads())
+        return out
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, C] @ expert's weight^T -> [T, R]."""

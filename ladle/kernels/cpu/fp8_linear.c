@@ -133,3 +133,33 @@ int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void 
     free(xs);
     return 0;
 }
+
+/* out [N, K] = W (e4m3 bytes) times each entry's block scale, in fp32 or bf16 (is_bf16): a prefill's weight
+ * tile widened once, for a GEMM to reuse over all its rows. Rounded once from the fp32 product, as torch's
+ * (values.float() * scale).to(bf16) does. */
+void fp8_dequantize(const uint8_t *w, const float *scales, void *out, int64_t n, int64_t k, int64_t block_n,
+                    int64_t block_k, int is_bf16, int num_threads) {
+    const int64_t grid_k = (k + block_k - 1) / block_k;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = scales + (r / block_n) * grid_k;
+        int64_t c = 0;
+#if LADLE_AVX2
+        if (block_k % 8 == 0)
+            for (; c + 8 <= k; c += 8) {
+                const __m256 v = _mm256_mul_ps(e4m3x8(w + r * k + c), _mm256_set1_ps(s[c / block_k]));
+                if (!is_bf16) {
+                    _mm256_storeu_ps((float *)out + r * k + c, v);
+                    continue;
+                }
+                /* round to nearest even, as f32_to_bf16 (a weight is never NaN), then 8 x 16 bits */
+                const __m256i u = _mm256_castps_si256(v);
+                const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+                const __m256i b = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + r * k + c),
+                                 _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+            }
+#endif
+        for (; c < k; c++) put(out, r * k + c, e4m3_to_f32(w[r * k + c]) * s[c / block_k], is_bf16);
+    }
+}

@@ -103,3 +103,17 @@ int mxfp4_linear(const void *x, const uint8_t *w, const uint8_t *scales, void *y
     free(xs);
     return 0;
 }
+
+/* out [N, K] = the MXFP4 weight widened, in fp32 or bf16 (is_bf16): a prefill's expert widened once for a GEMM. */
+void mxfp4_dequantize(const uint8_t *w, const uint8_t *scales, void *out, int64_t n, int64_t k, int is_bf16,
+                      int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < k / 32; g++) {
+            const float s = half_scale(scales[r * (k / 32) + g]);
+            for (int64_t c = g * 32; c < g * 32 + 32; c++) {
+                const uint8_t b = w[r * (k / 2) + c / 2];
+                put(out, r * k + c, (float)TWICE_E2M1[c % 2 ? b >> 4 : b & 0x0f] * s, is_bf16);
+            }
+        }
+}
