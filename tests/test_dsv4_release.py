@@ -137,6 +137,7 @@ def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dt
     """ladle's mxfp4_linear (an expert's decode rows) against F.linear on the widened weight: every nibble
     (both signs of zero), scales from 2^-127 (E8M0's 0) to 2^8, partial 4-row tiles."""
     from ladle.kernels.cpu_kernels import load
+    from ladle.quantization.fp8_linear import WidenBuffer
     from ladle.quantization.mxfp4 import Mxfp4ExpertStack
 
     torch.manual_seed(rows * k)
@@ -146,9 +147,11 @@ def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dt
     scales[0, 0, 0], scales[0, 1, 0] = 0, 135
     scales = scales.view(torch.float8_e8m0fnu)
     x = torch.randn(rows, k).to(dtype)
-    stack = Mxfp4ExpertStack(packed, scales, dtype, load())
-    for expert in range(2):  # a prefill's widening in C: the same bits as torch's
-        assert torch.equal(stack[expert], Mxfp4ExpertStack(packed, scales, dtype)[expert])
+    stack = Mxfp4ExpertStack(packed, scales, dtype, load(), WidenBuffer())
+    for expert in range(2):  # a prefill's widening in C: the same bits as torch's, and its product
+        assert torch.equal(stack.widened(expert, dtype), stack[expert])
+        many = torch.randn(30, k).to(dtype)
+        torch.testing.assert_close(stack.linear(many, expert), torch.nn.functional.linear(many, stack[expert]))
     for expert in range(2):
         want = torch.nn.functional.linear(x.float(), stack[expert].float())
         got = stack.linear(x, expert).float()

@@ -12,7 +12,7 @@ from ladle.testing.fp8_checkpoints import hf_dequantized, quantize_block_fp8, wr
 from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
-from ladle.quantization.fp8_linear import Fp8ExpertStack, Fp8Linear
+from ladle.quantization.fp8_linear import Fp8ExpertStack, Fp8Linear, WidenBuffer
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              intermediate_size=512)  # every projection a whole number of 128 x 128 blocks, as in the releases
@@ -152,9 +152,10 @@ def test_ragged_blocks_dequantize_by_their_own_scales(monkeypatch, c_kernels):
             want[i, j0 : j0 + 128] = values[i, j0 : j0 + 128].float() * scales[i // 128, j0 // 128]
     assert torch.equal(layer.dequantized(0, 1100, torch.float32), want)
     assert torch.equal(layer.dequantized(256, 1100, torch.bfloat16), want[256:].bfloat16())
-    experts = Fp8ExpertStack(values[None], scales[None], (128, 128), torch.bfloat16, layer.kernels)
-    assert torch.equal(experts[0], want.bfloat16())
     x = torch.randn(30, 300)
+    if c_kernels:  # an expert's prefill product: widened once into the shared buffer, then one GEMM
+        experts = Fp8ExpertStack(values[None], scales[None], (128, 128), torch.float32, layer.kernels, WidenBuffer())
+        torch.testing.assert_close(experts.linear(x, 0), x @ want.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), x @ want.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.bfloat16()).float(), (x.bfloat16().float() @ want.bfloat16().float().T),
                                rtol=2e-2, atol=2e-2)

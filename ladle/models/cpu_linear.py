@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.kernels.cpu_kernels import CpuKernels
+from ladle.quantization.fp8_linear import WidenBuffer
 
 # fp32, every linear of qwen3-512 once (benchmarks/cpu_linear.py): at 16 rows skinny_linear takes 37 ms and
 # F.linear 46, at 32 rows 74 and 68; the crossover lies between.
@@ -120,11 +121,12 @@ class CpuLinear(nn.Module):
 def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
     """Replace every nn.Linear under root by a CpuLinear over the same weight; returns how many."""
     replaced = 0
+    native_bf16, buffer = pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None, WidenBuffer()
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
                 setattr(parent, name, CpuLinear(child.weight, child.bias, kernels))
                 replaced += 1
-            elif hasattr(child, "use_cpu_kernels"):  # a quantized layer (ladle.quantization)
-                child.use_cpu_kernels(kernels, pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None)
+            elif hasattr(child, "use_cpu_kernels"):  # a quantized layer (ladle.quantization): one shared buffer
+                child.use_cpu_kernels(kernels, native_bf16, buffer)
     return replaced

@@ -27,7 +27,7 @@ from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Ds
 from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
 from ladle.models.decoder import copy_checkpoint
 from ladle.models.deepseek_v4_moe import MoE
-from ladle.quantization.fp8_linear import Fp8Linear
+from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
 
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
@@ -179,9 +179,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             kernels = load_cpu_kernels()
         except KernelUnavailable:
             return  # torch widens them instead: slower, the same numbers
-        native_bf16 = pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None
+        native_bf16, buffer = pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None, WidenBuffer()
         for module in quantized:
-            module.use_cpu_kernels(kernels, native_bf16)
+            module.use_cpu_kernels(kernels, native_bf16, buffer)
         self.cpu_kernels = ("ladle-c", "FP8 and MXFP4 layers read their bytes in C for decode rows; the rest torch")
 
     @torch.no_grad()

@@ -16,7 +16,7 @@ from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
 from ladle.models.ops import OpsModule
 from ladle.quantization.config import MXFP4_GROUP
-from ladle.quantization.fp8_linear import Fp8ExpertStack
+from ladle.quantization.fp8_linear import Fp8ExpertStack, WidenBuffer
 from ladle.quantization.mxfp4 import Mxfp4ExpertStack
 
 
@@ -47,10 +47,11 @@ class FusedMoE(OpsModule):
         # they are, with scales of (rows, columns) each.
         self.weight_format: str | None = None
         self.scale_block = (1, 1)
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized decode rows, set on CPU
+        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
+        self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
-        self.kernels = kernels
+    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+        self.kernels, self.buffer = kernels, buffer
 
     def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
         """The checkpoint modules whose weights, FP8 or not, decide this layer's format."""
@@ -99,11 +100,11 @@ class FusedMoE(OpsModule):
     def _stacks(self, dtype: torch.dtype) -> tuple[Any, Any]:
         """(w13, w2) indexable by expert in dtype: the parameters, or views widening one expert when asked."""
         if self.weight_format == "fp8":
-            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype, self.kernels),
-                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype, self.kernels))
+            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype, self.kernels, self.buffer),
+                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype, self.kernels, self.buffer))
         if self.weight_format == "mxfp4":
-            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype, self.kernels),
-                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype, self.kernels))
+            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype, self.kernels, self.buffer),
+                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype, self.kernels, self.buffer))
         return self.w13, self.w2
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:

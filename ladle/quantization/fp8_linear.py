@@ -24,6 +24,21 @@ TILE_ELEMENTS = 1 << 21  # weights widened at once (a whole number of block rows
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 
 
+class WidenBuffer:
+    """The one workspace a model's quantized layers widen their weight tiles into on CPU: a step widens one tile
+    at a time and multiplies it before the next, so every layer shares it; it grows to the largest tile once."""
+
+    def __init__(self) -> None:
+        self.storage = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """Scratch of shape and dtype, valid until the next take."""
+        size = shape[0] * shape[1] * dtype.itemsize
+        if self.storage.numel() < size:
+            self.storage = torch.empty(size, dtype=torch.uint8)
+        return self.storage[:size].view(dtype).view(shape)
+
+
 def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], first_row: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """values [R, C] (e4m3, starting at row first_row of a weight whose scale grid starts at scales' row 0)
@@ -38,30 +53,35 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[i
 class Fp8ExpertStack:
     """Stacked experts' FP8 weights [E, R, C] and scales [E, R / rows, C / cols], indexed like the dequantized
     stack: stack[e] is expert e's weight in dtype, made when asked, so a step holds one expert's at a time. With
-    ladle's C kernels (CPU), linear() multiplies a decode step's few rows by the FP8 bytes directly."""
+    ladle's C kernels (CPU), linear() multiplies a decode step's few rows by the FP8 bytes directly, and a
+    prefill's rows by the expert widened once into the shared buffer."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-                 kernels: Any = None) -> None:
-        self.values, self.scales, self.block, self.dtype, self.kernels = values, scales, block, dtype, kernels
+                 kernels: Any = None, buffer: WidenBuffer | None = None) -> None:
+        self.values, self.scales, self.block, self.dtype = values, scales, block, dtype
+        self.kernels, self.buffer = kernels, buffer
         self.shape = values.shape
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        if self.kernels is None or self.dtype not in (torch.float32, torch.bfloat16):
-            return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
-        return c_dequantized(self.kernels, self.values[expert], self.scales[expert], self.block, self.dtype)
+        return dequantize_blocks(self.values[expert], self.scales[expert], self.block, 0, self.dtype)
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [T, C] @ expert's weight^T -> [T, R]."""
         rows = x.shape[0]
-        if self.kernels is None or not 0 < rows <= KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+        if self.kernels is None or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self[expert])
-        return fp8_kernel_linear(self.kernels, x, self.values[expert], self.scales[expert], self.block, None)
+        if rows <= KERNEL_MAX_ROWS:
+            return fp8_kernel_linear(self.kernels, x, self.values[expert], self.scales[expert], self.block, None)
+        out = None if self.buffer is None else self.buffer.take(tuple(self.shape[1:]), x.dtype)
+        return F.linear(x, c_dequantized(self.kernels, self.values[expert], self.scales[expert], self.block, x.dtype,
+                                         out))
 
 
 def c_dequantized(kernels: Any, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
-                  dtype: torch.dtype) -> torch.Tensor:
-    """values [R, C] (e4m3, a weight's rows from a block's first) times their block scales, widened in C."""
-    out = torch.empty(values.shape, dtype=dtype)
+                  dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """values [R, C] (e4m3, a weight's rows from a block's first) times their block scales, widened in C (into
+    out when given)."""
+    out = torch.empty(values.shape, dtype=dtype) if out is None else out
     scales = scales.float().contiguous()
     kernels.fp8_dequantize(values.contiguous().data_ptr(), scales.data_ptr(), out.data_ptr(), values.shape[0],
                            values.shape[1], block[0], block[1], int(dtype == torch.bfloat16), torch.get_num_threads())
@@ -103,6 +123,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
         self.bf16_max_rows = KERNEL_MAX_ROWS
         for name, (start, _) in self.shards.items():
             if start % rows:
@@ -122,15 +143,24 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, stop) of the weight in dtype (ladle's C widening on CPU when the rows start a block)."""
+        return self._widened(start, stop, dtype, None)
+
+    def _widened(self, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
         if self.kernels is not None and dtype in (torch.float32, torch.bfloat16) and start % self.block[0] == 0:
             return c_dequantized(self.kernels, self.weight[start:stop], self.weight_scale_inv[start // self.block[0]:],
-                                 self.block, dtype)
+                                 self.block, dtype, out)
         return dequantize_blocks(self.weight[start:stop], self.weight_scale_inv, self.block, start, dtype)
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool) -> None:
+    def _tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) widened for one product: into the shared buffer where the C kernels widen."""
+        out = self.buffer.take((stop - start, self.in_features), dtype) if self.kernels is not None else None
+        return self._widened(start, stop, dtype, out)
+
+    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         """native_bf16: torch's bf16 matmul is fast here; where it is not, bf16 inputs of any size take the
         kernel, as CpuLinear's bf16 weights do (measured: a 1K-token bf16 prefill 1.44x slower through F.linear)."""
         self.kernels = kernels
+        self.buffer = buffer or self.buffer
         self.bf16_max_rows = KERNEL_MAX_ROWS if native_bf16 else sys.maxsize
 
     def _tile_rows(self) -> int:
@@ -147,7 +177,7 @@ class Fp8Linear(nn.Module):
         tile = self._tile_rows()
         for start in range(0, self.out_features, tile):
             stop = min(start + tile, self.out_features)
-            weight = self.dequantized(start, stop, x.dtype)
+            weight = self._tile(start, stop, x.dtype)
             bias = None if self.bias is None else self.bias[start:stop].to(x.dtype).contiguous()
             y = out if stop - start == self.out_features else torch.empty(rows, stop - start, dtype=x.dtype)
             failed = self.kernels.skinny_linear(x2.data_ptr(), weight.data_ptr(),
@@ -172,10 +202,10 @@ class Fp8Linear(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
         tile = self._tile_rows()
         if self.out_features <= tile:
-            return F.linear(x, self.dequantized(0, self.out_features, x.dtype), self.bias)
+            return F.linear(x, self._tile(0, self.out_features, x.dtype), self.bias)
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         for start in range(0, self.out_features, tile):
             stop = min(start + tile, self.out_features)
             bias = None if self.bias is None else self.bias[start:stop]
-            out[..., start:stop] = F.linear(x, self.dequantized(start, stop, x.dtype), bias)
+            out[..., start:stop] = F.linear(x, self._tile(start, stop, x.dtype), bias)
         return out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.quantization.config import MXFP4_GROUP
-from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, WidenBuffer
 
 # e2m1: sign, two exponent bits, one mantissa bit; code c's value, the sign bit (8) negating it.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -30,24 +30,31 @@ class Mxfp4ExpertStack:
     stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked. With ladle's C kernels (CPU),
     linear() multiplies a decode step's few rows by the packed bytes directly (ladle/kernels/cpu/mxfp4_linear.c)."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Any = None) -> None:
-        self.packed, self.scales, self.dtype, self.kernels = packed, scales, dtype, kernels
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Any = None,
+                 buffer: WidenBuffer | None = None) -> None:
+        self.packed, self.scales, self.dtype, self.kernels, self.buffer = packed, scales, dtype, kernels, buffer
         self.shape = (*packed.shape[:-1], 2 * packed.shape[-1])
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        if self.kernels is None or self.dtype not in (torch.float32, torch.bfloat16):
-            return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)
-        out = torch.empty(self.shape[1:], dtype=self.dtype)  # widened in C (a prefill's expert, once a step)
+        return dequantize_mxfp4(self.packed[expert], self.scales[expert], self.dtype)
+
+    def widened(self, expert: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert's weight in dtype (fp32 or bf16) widened in C, into out when given: the same bits as stack[e]."""
+        out = torch.empty(self.shape[1:], dtype=dtype) if out is None else out
         self.kernels.mxfp4_dequantize(self.packed[expert].data_ptr(), self.scales[expert].data_ptr(), out.data_ptr(),
-                                      self.shape[1], self.shape[2], int(self.dtype == torch.bfloat16),
+                                      self.shape[1], self.shape[2], int(dtype == torch.bfloat16),
                                       torch.get_num_threads())
         return out
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [T, C] @ expert's weight^T -> [T, R]."""
+        """x [T, C] @ expert's weight^T -> [T, R]: a decode step's rows by the packed bytes, a prefill's by the
+        expert widened once into the shared buffer."""
         rows = x.shape[0]
-        if self.kernels is None or not 0 < rows <= KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+        if self.kernels is None or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self[expert])
+        if rows > KERNEL_MAX_ROWS:
+            out = None if self.buffer is None else self.buffer.take(tuple(self.shape[1:]), x.dtype)
+            return F.linear(x, self.widened(expert, x.dtype, out))
         x = x.contiguous()
         y = torch.empty(rows, self.shape[1], dtype=x.dtype)
         failed = self.kernels.mxfp4_linear(x.data_ptr(), self.packed[expert].data_ptr(),
