@@ -187,7 +187,8 @@ def test_fp8_experts_give_hf_dequantized_tokens(tmp_path, expert_dtype, fmt, val
     assert experts and all((m.weight_format, m.w13.dtype) == (fmt, values) for m in experts)
 
 
-@pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (520, 260, 5), (384, 1024, 24)])
+@pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (200, 136, 1), (520, 260, 5),
+                                                           (384, 1024, 24)])
 def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in_features, rows):
     """ladle's fp8_linear (decode rows) against F.linear on the dequantized weight: ragged blocks, a width off the
     vector size (the scalar path), subnormal and negative-zero bytes, a bias."""
