@@ -111,6 +111,25 @@ void mxfp4_dequantize(const uint8_t *w, const uint8_t *scales, void *out, int64_
     for (int64_t r = 0; r < n; r++)
         for (int64_t g = 0; g < k / 32; g++) {
             const float s = half_scale(scales[r * (k / 32) + g]);
+#if LADLE_AVX2
+            { /* an e2m1 value times a power of two has 2 significant bits: exact in fp32 and in bf16, whose
+               * bits are then the fp32 bits' top half, as the scalar path's rounding gives */
+                __m256 v[4];
+                group32(w + r * (k / 2) + g * 16, v);
+                for (int j = 0; j < 4; j++) {
+                    const __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(s));
+                    const int64_t at = r * k + g * 32 + 8 * j;
+                    if (!is_bf16) {
+                        _mm256_storeu_ps((float *)out + at, y);
+                        continue;
+                    }
+                    const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
+                    _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
+                                     _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+                }
+                continue;
+            }
+#endif
             for (int64_t c = g * 32; c < g * 32 + 32; c++) {
                 const uint8_t b = w[r * (k / 2) + c / 2];
                 put(out, r * k + c, (float)TWICE_E2M1[c % 2 ? b >> 4 : b & 0x0f] * s, is_bf16);
