@@ -22,6 +22,53 @@ def as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
+    or its JSON text), a regex, a choice of strings, a Lark or GBNF grammar, or any JSON object. Enforced on
+    every token by ladle.structured_output; each is checked (and its grammar validated) before the request runs.
+
+    JSON whitespace: by default at most 20 whitespace characters between two JSON tokens (bounded, so a model
+    cannot emit whitespace forever); disable_any_whitespace allows none, whitespace_pattern sets the regex."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # every object of the schema gets additionalProperties: false
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # accepted: ladle has one backend (llguidance) and never falls back
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidSamplingParam("structured_outputs", f"must set exactly one of {', '.join(_CONSTRAINTS)} "
+                                       f"(set: {', '.join(set_) or 'none'})", self)
+        kinds = {"json": (str, dict), "regex": str, "choice": list, "grammar": str, "json_object": bool}
+        value = getattr(self, set_[0])
+        if not isinstance(value, kinds[set_[0]]):
+            raise InvalidSamplingParam(f"structured_outputs.{set_[0]}", "has the wrong type", value)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidSamplingParam("structured_outputs.choice", "must be a non-empty list of strings",
+                                       self.choice)
+        if self.whitespace_pattern is not None and self.disable_any_whitespace:
+            raise InvalidSamplingParam("structured_outputs.whitespace_pattern",
+                                       "contradicts disable_any_whitespace; set one", self.whitespace_pattern)
+        for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidSamplingParam(f"structured_outputs.{flag}", "must be a bool", getattr(self, flag))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _CONSTRAINTS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -43,6 +90,7 @@ class SamplingParams:
     prompt_logprobs: None = None  # accepted for signature compatibility; not supported yet
     skip_special_tokens: bool = True
     priority: int = 0  # with scheduling_policy="priority": lower values are served first (vLLM semantics)
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this (a grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +146,8 @@ class SamplingParams:
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold token ids >= 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
         priority = self.priority
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise bad("priority", "must be an integer in [-2**63, 2**63)")

@@ -149,3 +149,18 @@ def test_out_of_memory_in_a_launched_step_falls_back_to_the_synchronous_path(
     monkeypatch.setattr(runner, "launch", flaky_launch)
     assert tokens(ahead, batch, GREEDY) == tokens(sync, batch, GREEDY)
     assert len(calls) > 6
+
+
+def test_constrained_requests_never_run_in_a_step_launched_ahead(pair: tuple[LLM, LLM]) -> None:
+    """A grammar's bitmask needs the token before it, so constrained rows run synchronously; the unconstrained
+    rows beside them still launch ahead once the constrained ones are done."""
+    from ladle.sampling_params import StructuredOutputsParams
+
+    sync, ahead = pair
+    batch = prompts(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=4 if i % 3 else 40, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z]{1,3}( [a-z]{1,3}){0,2}")
+                             if i % 3 else None) for i in range(6)]
+    before = ahead.stats.steps_ahead
+    assert tokens(ahead, batch, params) == tokens(sync, batch, params)
+    assert ahead.stats.steps_ahead > before

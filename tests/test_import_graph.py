@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ladle"
 # Top floor first; a folder may import itself and anything on a floor after its own. Files in the package
 # root are the ground.
-FLOORS = [("entrypoints", "testing"), ("frontend", "serving"), ("engine",), ("executor",), ("startup",),
+FLOORS = [("entrypoints", "testing"), ("frontend", "serving"), ("engine",), ("structured_output",), ("executor",), ("startup",),
           ("runner",), ("models",), ("quantization",), ("distributed",), ("attention",), ("kv_cache",), ("kernels",), ("",)]
 
 

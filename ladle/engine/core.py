@@ -22,16 +22,20 @@ from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
+from ladle.engine.structured_step import with_bitmasks
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus, child_request_ids
 from ladle.sampling_params import SamplingParams
 from ladle.runner.model_runner import PendingStep, SampledToken
+from ladle.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ladle")
 
 # Steps in a row that fail for every request they hold before the engine gives up (and its process exits,
 # for the server's supervisor to restart): then the device or the model is broken, not a request.
 MAX_FAILED_STEPS_IN_A_ROW = 2
+# With nothing to run but requests whose grammars compile, a step waits this long for one of them.
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineStepError(RuntimeError):
@@ -65,7 +69,8 @@ class EngineCore:
                                  num_checkpoints=cfg.num_state_checkpoints,
                                  checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size))
         self.stats = EngineStats()
-        self.scheduler = Scheduler(cfg, self.kv, self.stats)
+        self.grammars = StructuredOutputManager(cfg.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(cfg, self.kv, self.stats, self.grammars)
         self.model_executor.capture_graphs()
         self.lender = (None if cfg.cpu_lending is None else
                        CpuLender(cfg.cpu_lending, torch.set_num_threads))  # reserved CPUs, borrowed while idle
@@ -83,6 +88,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (a no-op on one device)."""
+        self.grammars.shutdown()
         self.model_executor.shutdown()
 
     @property
@@ -130,6 +136,8 @@ class EngineCore:
         if self.scheduler.find(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.scheduler.add(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.grammars.add(request.request_id, request.sampling_params.structured_outputs)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
@@ -168,18 +176,25 @@ class EngineCore:
         certain launches that successor before reading its own tokens, so the device computes the next step
         while the host does this one's bookkeeping; the next call then starts from the launched step."""
         start = time.perf_counter()
+        refused: list[EngineCoreOutput] = []  # requests whose grammar cannot compile
         if self._ahead is not None:
             sched, pending = self._ahead
             self._ahead = None
         else:
+            refused = self._poll_grammars()
             sched = self.scheduler.schedule()
             if not sched.scheduled:
+                if refused or self.grammars.num_pending:
+                    if not refused:
+                        self.grammars.wait(GRAMMAR_WAIT_S)
+                    return refused
                 if self.scheduler.has_unfinished():
                     # Admission checks guarantee a lone request fits, so an idle step with work left is a bug:
                     # fail loudly rather than spin forever.
                     raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting, "
                                        f"{len(self.scheduler.running)} running, {self.kv.num_free_blocks} free blocks")
                 return []
+            sched = with_bitmasks(sched, self.grammars)
             if self.lender is not None:
                 self.stats.steps_with_lent_cpus += self.lender.before_step() > self.lender.lending.base_threads
             self.model_executor.apply(self.sync.update(sched, self.kv))
@@ -192,7 +207,7 @@ class EngineCore:
                 for r in restarted:
                     self.sync.forget(r.request_id)
                 failed = [self._end_with_error(f) for f in result.failures]
-                return self._end_step(sched, failed + self._update(result.sched, result.sampled))
+                return refused + self._end_step(sched, failed + self._update(result.sched, result.sampled))
         nxt = schedule_ahead(self.scheduler, sched) if self._can_defer() else None
         if nxt is not None:
             self.model_executor.apply(self.sync.update(nxt, self.kv))
@@ -201,7 +216,7 @@ class EngineCore:
             self.stats.steps_ahead += ahead is not None
         sampled = pending.result()
         self._record(sched, (time.perf_counter() - start) * 1000)
-        return self._end_step(sched, self._update(sched, sampled))
+        return refused + self._end_step(sched, self._update(sched, sampled))
 
     def _can_defer(self) -> bool:
         # The OOM test hook wraps the synchronous path only.
@@ -226,6 +241,17 @@ class EngineCore:
         """A request ended: what was kept beside the scheduler about it goes too."""
         self.sync.forget(request_id)
         self.step_executor.forget(request_id)
+        self.grammars.remove(request_id)
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Take the grammars compiled since the last step; end the requests whose grammar cannot be."""
+        outs = []
+        for rid, message in self.grammars.poll():
+            req = self.scheduler.find(rid)
+            if req is not None:
+                outs.append(self.scheduler.fail(req, f"request {rid}: {message}", "invalid_grammar"))
+                self._forget(rid)
+        return outs
 
     def _end_with_error(self, failure: RequestFailure) -> EngineCoreOutput:
         req = self.scheduler.find(failure.request_id)

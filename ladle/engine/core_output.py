@@ -14,7 +14,13 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None
+    # The last new token is the stop token (or EOS) that ended the request, whose text frontends leave out; a
+    # request a complete grammar ended keeps its last token's text.
+    stop_token: bool = False
     error: str | None = None
+    # With an error: "invalid_grammar" when the request's own structured-output grammar cannot run (a client
+    # error the server answers with 400), None for a failure of the engine.
+    error_code: str | None = None
     num_cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache served
     prefill_chunks: list[int] | None = None  # on a request's last output: its prefill chunks' sizes, in order
 

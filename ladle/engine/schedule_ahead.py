@@ -24,6 +24,8 @@ def schedule_ahead(scheduler: Scheduler, sched: SchedulerOutput) -> SchedulerOut
         req = s.request
         if s.is_prefill or s.num_new_tokens != 1 or req.status is not RequestStatus.RUNNING:
             return None
+        if req.sampling_params.structured_outputs is not None:
+            return None  # its bitmask needs the token sched samples
         if req.num_output_tokens + 2 > req.max_tokens or req.num_tokens + 2 > scheduler.config.max_model_len:
             return None
     need = sum(scheduler.kv.num_blocks_to_allocate(s.request.request_id, s.start_pos + 2) for s in sched.scheduled)

@@ -28,6 +28,7 @@ from ladle.engine.fair_shares import fair_shares
 from ladle.engine.prefix_wait import prefix_in_flight
 from ladle.engine.stats import EngineStats
 from ladle.engine.stop_check import check_stop
+from ladle.engine.structured_step import advance, compiling, grammar_error
 from ladle.startup.partial_prefill import default_limits
 from ladle.engine.request_queue import RequestQueue
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -36,6 +37,7 @@ from ladle.kv_cache.prefix_hits import PrefixHit
 from ladle.request import Request, RequestStatus
 from ladle.runner.model_runner import SampledToken
 from ladle.runner.sampler import FAILED
+from ladle.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ladle.scheduler")
 MAX_PASS_OVER = 32  # admissions that may jump ahead of a waiting request the KV pool cannot take yet
@@ -54,10 +56,13 @@ class _Candidate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, stats: EngineStats | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, stats: EngineStats | None = None,
+                 grammars: StructuredOutputManager | None = None) -> None:
+        """grammars: the constrained requests' matchers (None: the engine takes no constrained request)."""
         self.config = config
         self.kv = kv
         self.stats = stats if stats is not None else EngineStats()
+        self.grammars = grammars
         self.limits = config.partial_prefills or default_limits(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -138,6 +143,8 @@ class Scheduler:
         for req in self.waiting:
             if len(found) >= room:
                 break
+            if compiling(self.grammars, req):
+                continue  # passed over, keeping its place, until its grammar is compiled
             hit = self.kv.get_computed_blocks(req)
             if self._prefix_in_flight(req, hit.num_tokens, [c.request for c in found]):
                 continue
@@ -214,18 +221,25 @@ class Scheduler:
             if tok is None:
                 continue
             if tok.token_id == FAILED:
-                outs.append(self.fail(req, (
+                broken = grammar_error(self.grammars, req)  # a grammar that broke allows no token
+                outs.append(self.fail(req, broken or (
                     f"request {req.request_id} could not be sampled: its next-token distribution is not finite "
-                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving")))
+                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving"),
+                    "invalid_grammar" if broken else None))
                 continue
             stats.generation_tokens += 1
             req.append_output(tok.token_id, tok.logprobs)
+            refused, complete = advance(self.grammars, req, tok.token_id)
+            if refused is not None:
+                outs.append(self.fail(req, refused, "invalid_grammar"))
+                continue
             out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs],
                                    num_cached_tokens=req.num_cached_tokens if req.num_output_tokens == 1 else None)
-            status = check_stop(req, self.config.max_model_len)
+            status = check_stop(req, self.config.max_model_len, complete)
             if status is not None:
                 self.finish(req, status)
                 out.finish_reason, out.stop_reason = status.value, req.stop_reason
+                out.stop_token = status is RequestStatus.FINISHED_STOPPED and tok.token_id in req.stop_token_ids
                 out.prefill_chunks = req.prefill_chunks
             outs.append(out)
         if self.kv.checkpointing:
@@ -234,11 +248,11 @@ class Scheduler:
             stats.state_checkpoint_bytes = ck.bytes_held
         return outs
 
-    def fail(self, req: Request, message: str) -> EngineCoreOutput:
-        """End req with an error, so the engine can keep serving the others."""
+    def fail(self, req: Request, message: str, code: str | None = None) -> EngineCoreOutput:
+        """End req with an error (code: EngineCoreOutput.error_code), so the engine can keep serving the others."""
         self.finish(req, RequestStatus.FINISHED_ERROR)
         self.stats.requests_failed += 1
-        return EngineCoreOutput(req.request_id, finish_reason="error", error=message,
+        return EngineCoreOutput(req.request_id, finish_reason="error", error=message, error_code=code,
                                 prefill_chunks=req.prefill_chunks)
 
     def _prefix_in_flight(self, req: Request, num_cached: int, starting: list[Request]) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.request import Request
 
@@ -14,6 +16,7 @@ class ScheduledRequest:
     num_new_tokens: int
     is_prefill: bool  # a (re)prefill chunk rather than one decode token
     checkpoint: CheckpointCopy | None = None  # the state checkpoint this chunk saves where it ends
+    bitmask: np.ndarray | None = None  # a constrained request's allowed next tokens (StructuredOutputManager)
 
     @property
     def samples(self) -> bool:

@@ -26,8 +26,7 @@ class ChildState:
 
     def apply(self, out: EngineCoreOutput) -> bool:
         """Take one core output of this child; True when a stop string ended it and the core must abort it."""
-        # The core finishes with "stop" only on a stop token or EOS, whose text is left out.
-        stop_str = self.detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        stop_str = self.detok.update(out.new_token_ids, stop_terminated=out.stop_token)
         abort = False
         if stop_str is not None:
             abort = out.finish_reason is None

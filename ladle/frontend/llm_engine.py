@@ -9,6 +9,7 @@ from ladle.frontend.output_processor import OutputProcessor
 from ladle.outputs import RequestOutput
 from ladle.request import Request
 from ladle.sampling_params import SamplingParams
+from ladle.structured_output.grammar import GrammarChecker
 from ladle.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]
@@ -19,6 +20,7 @@ class LLMEngine:
         self.core = EngineCore(args, explicit)
         self.tokenizer = load_tokenizer(self.core.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarChecker()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
@@ -39,7 +41,10 @@ class LLMEngine:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:
-        """The core requests for one user request (n of them for n > 1), checked so that they can run."""
+        """The core requests for one user request (n of them for n > 1), checked so that they can run (a
+        structured-output constraint that does not compile raises InvalidStructuredOutput, a ValueError)."""
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         return self.core.make_requests(request_id, [prompt_token_ids], params, checkpoint_marks)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],

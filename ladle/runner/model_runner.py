@@ -187,7 +187,8 @@ class ModelRunner:
         tokens when they are still on the device (the previous pending step's output). None when the step
         does not qualify (a prefill chunk, logprobs, penalties): the caller runs execute()."""
         # A step launched ahead samples every row; its specs cannot say so, as its input tokens are not known.
-        if not specs or any(s.num_tokens != 1 or not (s.sample or input_ids is not None) for s in specs):
+        if not specs or any(s.num_tokens != 1 or not (s.sample or input_ids is not None) or s.bitmask is not None
+                            for s in specs):
             return None
         meta = self._sampling_metadata(specs)
         if not self.sampler.deferrable(meta):
@@ -200,7 +201,7 @@ class ModelRunner:
 
     def _sampling_metadata(self, specs: list[ChunkSpec]) -> SamplingMetadata:
         """The sampling metadata of these sampled chunks: the batch's tensors (rebuilt only when its requests
-        change) and this step's draws, each at the position of the token it samples."""
+        change) and this step's draws, each at the position of the token it samples, and grammar bitmasks."""
         key = (self.requests.version, tuple(s.request_id for s in specs))
         if self._sampling is None or self._sampling[0] != key:
             reqs = [self.requests[r] for r in key[1]]
@@ -211,7 +212,8 @@ class ModelRunner:
         batch = self._sampling[1]
         positions = (np.fromiter((s.start_pos + s.num_tokens for s in specs), dtype=np.int64, count=len(specs))
                      if batch.needs_positions else None)
-        return batch.step(positions, self.penalties)
+        masks = [(i, s.bitmask) for i, s in enumerate(specs) if s.bitmask is not None]
+        return batch.step(positions, self.penalties, masks)
 
     @torch.inference_mode()
     def run(

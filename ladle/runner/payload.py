@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.sampling_params import SamplingParams
 
@@ -42,6 +44,9 @@ class ChunkSpec(NamedTuple):
     num_tokens: int
     sample: bool  # the chunk reaches the request's last known token, so a token is sampled
     checkpoint: CheckpointCopy | None = None  # where the runner saves the request's state after the chunk
+    # A constrained request's allowed tokens for the token this chunk samples: int32 words, bit t % 32 of word
+    # t // 32 set when token t may come next (None: unconstrained).
+    bitmask: np.ndarray | None = None
 
 
 @dataclass

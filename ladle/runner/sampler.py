@@ -34,7 +34,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        token_ids = self.sample(logits, meta)
+        logits = allowed_only(logits, meta)  # logprobs too see only what the grammar allows, as in vLLM
+        token_ids = self._tokens(logits, meta)
         ids = token_ids.tolist()
         if meta.batch.logprob_rows is None:
             return SamplerOutput(ids, [None] * len(ids))
@@ -43,6 +44,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Next token ids [rows] on the logits' device (FAILED for unusable rows); no device-to-host sync."""
+        return self._tokens(allowed_only(logits, meta), meta)
+
+    @staticmethod
+    def _tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         b = meta.batch
         if logits.dim() != 2 or logits.shape[0] != b.num_rows or logits.shape[1] != b.vocab:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {b.num_rows} sampled rows of a "
@@ -55,6 +60,24 @@ class Sampler:
         read back, and no penalties, whose counts take each token when the host hands it back (a step
         launched before its predecessor's tokens are read would count one too few)."""
         return meta.batch.deferrable
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool from [rows, words] int32 bitmasks (bit t % 32 of word t // 32: token t allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+
+
+def allowed_only(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The logits with every token a constrained row's grammar forbids at -inf (float32); the caller's tensor
+    itself when no row is constrained. Before penalties, temperature and the filters, so every sampling mode
+    draws among allowed tokens only."""
+    if meta.allowed is None:
+        return logits
+    rows, words = meta.allowed
+    out = logits.to(torch.float32, copy=True)
+    sub = out.index_select(0, rows).masked_fill_(~unpack_bitmask(words, out.shape[1]), _NEG_INF)
+    return out.index_copy_(0, rows, sub)
 
 
 def _apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -231,6 +254,8 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, b: SamplingBatch) -
     for j, i in enumerate(b.logprob_host):
         d = {s_ids[j]: Logprob(logprob=s_lp[j], rank=s_rank[j])}  # sampled token first, as vLLM orders it
         for c in range(wants[j]):
+            if t_vals[j][c] == _NEG_INF:
+                break  # a constrained row has fewer allowed tokens than asked for: the rest cannot come
             d.setdefault(t_ids[j][c], Logprob(logprob=t_vals[j][c], rank=t_ranks[j][c]))
         result[i] = d
     return result

@@ -132,6 +132,8 @@ class SamplingMetadata:
     blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) of stop tokens min_tokens blocks
     output_counts: torch.Tensor | None  # [penalized rows, vocab] float32: tokens generated so far
     prompt_seen: torch.Tensor | None  # [penalized rows, vocab] bool: tokens in the prompt
+    # (rows, [rows, words] int32 bitmasks) of the constrained rows: the only tokens each may sample
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SamplingBatch:
@@ -189,9 +191,11 @@ class SamplingBatch:
         """Whether step() reads the positions (seeded draws, min_tokens): else it may get None."""
         return bool(self.any_seeded or self.min_tokens)
 
-    def step(self, positions: np.ndarray | None, counts: PenaltyCounts | None = None) -> SamplingMetadata:
+    def step(self, positions: np.ndarray | None, counts: PenaltyCounts | None = None,
+             bitmasks: list[tuple[int, np.ndarray]] | None = None) -> SamplingMetadata:
         """This step's metadata; positions: [rows] int64, the position of the token each row draws (tokens
-        the request holds before it, prompt included)."""
+        the request holds before it, prompt included); bitmasks: (row, int32 words) of each constrained row,
+        bit t % 32 of word t // 32 set where token t is allowed."""
         uniforms = None
         if self.num_random:
             if self.any_seeded:
@@ -217,7 +221,11 @@ class SamplingBatch:
             if counts is None:
                 raise ValueError("a batch with penalties needs its PenaltyCounts")
             output_counts, prompt_seen = counts.gather(self.counts_rows)
-        return SamplingMetadata(self, uniforms, blocked, output_counts, prompt_seen)
+        allowed = None
+        if bitmasks:
+            words = torch.from_numpy(np.stack([m for _, m in bitmasks]))
+            allowed = (_index([i for i, _ in bitmasks], self.device), words.to(self.device))
+        return SamplingMetadata(self, uniforms, blocked, output_counts, prompt_seen, allowed)
 
 
 def sampling_metadata(params: list[SamplingParams], vocab: int, device: torch.device | str = "cpu", *,

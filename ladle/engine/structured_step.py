@@ -1,0 +1,54 @@
+"""The structured-output side of a step: bitmask rows for the constrained requests that sample in it, and each
+committed token fed to its request's matcher (ladle.structured_output.manager)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ladle.engine.scheduler_output import SchedulerOutput
+from ladle.request import Request
+from ladle.structured_output.manager import StructuredOutputManager
+
+
+def constrained(grammars: StructuredOutputManager | None, req: Request) -> bool:
+    return grammars is not None and req.sampling_params.structured_outputs is not None
+
+
+def compiling(grammars: StructuredOutputManager | None, req: Request) -> bool:
+    """A constrained request whose matcher is not ready yet: the scheduler passes over it."""
+    return constrained(grammars, req) and not grammars.is_ready(req.request_id)  # type: ignore[union-attr]
+
+
+def with_bitmasks(sched: SchedulerOutput, grammars: StructuredOutputManager | None) -> SchedulerOutput:
+    """sched with a bitmask on every constrained chunk that samples (one batched fill for all of them); a
+    chunk that stops short of its request's last token samples nothing and gets none."""
+    rows = [i for i, s in enumerate(sched.scheduled) if s.samples and constrained(grammars, s.request)]
+    if not rows:
+        return sched
+    assert grammars is not None
+    masks = grammars.fill_bitmasks([sched.scheduled[i].request.request_id for i in rows])
+    scheduled = list(sched.scheduled)
+    for mask, i in zip(masks, rows):
+        scheduled[i] = replace(scheduled[i], bitmask=mask)
+    return replace(sched, scheduled=scheduled)
+
+
+def grammar_error(grammars: StructuredOutputManager | None, req: Request) -> str | None:
+    """Why req's matcher broke (a parser limit hit mid-output), or None."""
+    if not constrained(grammars, req):
+        return None
+    assert grammars is not None
+    error = grammars.error(req.request_id)
+    return None if error is None else f"request {req.request_id}: its structured-output grammar failed: {error}"
+
+
+def advance(grammars: StructuredOutputManager | None, req: Request, token_id: int) -> tuple[str | None, bool]:
+    """Feed req's committed token to its matcher: (why the grammar refused it, or None; whether the grammar is
+    now complete and allows nothing more). Unconstrained requests: (None, False)."""
+    if not constrained(grammars, req):
+        return None, False
+    assert grammars is not None
+    rid = req.request_id
+    if not grammars.accept(rid, token_id):
+        return (f"request {rid} sampled token {token_id}, which its structured-output grammar does not allow "
+                f"({grammars.error(rid)})"), False
+    return None, grammars.is_terminated(rid)

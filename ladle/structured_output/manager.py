@@ -1,0 +1,177 @@
+"""The engine core's grammar matchers: one per constrained request, compiled off the step loop, asked for a
+bitmask row only when its request samples, and advanced only by tokens the core commits.
+
+Compiling runs on one worker thread (llguidance drops the GIL while it builds a matcher), keyed by the grammar's
+text in an LRU of pristine matchers: a request takes a deep copy, so n samples of one request, or the same
+schema sent again, compile once. A request waits in the queue (the scheduler passes over it) until its copy is
+ready; one whose grammar fails to compile, or takes longer than compile_timeout_s, ends with an error.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+
+from ladle.sampling_params import StructuredOutputsParams
+from ladle.structured_output.grammar import InvalidStructuredOutput, grammar_of
+from ladle.tokenizer import load_tokenizer
+
+DEFAULT_CACHE_SIZE = 64  # pristine matchers kept (each holds its lexer: kilobytes to megabytes)
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+
+class GrammarError(RuntimeError):
+    """llguidance could not build a matcher for a grammar (its message says why)."""
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: str, vocab_size: int, eos_token_ids: frozenset[int], *,
+                 cache_size: int = DEFAULT_CACHE_SIZE, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """tokenizer: the checkpoint's tokenizer folder (loaded on the first constrained request);
+        vocab_size: the logits' width, which every bitmask row covers (tokens past the tokenizer's never
+        allowed); eos_token_ids: the tokens a matcher allows where its grammar is complete."""
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self._tokenizer_path = tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._clock = clock
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-grammar")
+        self._lltokenizer: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._pending: dict[str, tuple[cf.Future, float]] = {}
+        self._matchers: dict[str, Any] = {}
+        self._mask_executor: Any = None
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
+
+    @property
+    def width(self) -> int:
+        """Int32 words per bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Start compiling request_id's grammar (a cached one is ready at the next poll)."""
+        try:
+            grammar = grammar_of(spec)
+        except InvalidStructuredOutput as e:
+            future: cf.Future = cf.Future()
+            future.set_exception(GrammarError(str(e)))
+        else:
+            future = self._pool.submit(self._compile, grammar)
+        self._pending[request_id] = (future, self._clock())
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Take the matchers compiled since the last poll; returns the requests that cannot run, with why."""
+        failed = []
+        now = self._clock()
+        for rid, (future, since) in list(self._pending.items()):
+            if future.done():
+                del self._pending[rid]
+                try:
+                    self._matchers[rid] = future.result().deep_copy()
+                except Exception as e:  # noqa: BLE001 -- any failure ends this request only
+                    failed.append((rid, f"its structured-output grammar could not be compiled: {e}"))
+            elif now - since > self.compile_timeout_s:
+                del self._pending[rid]
+                future.cancel()
+                failed.append((rid, f"its structured-output grammar did not compile within "
+                                    f"{self.compile_timeout_s:g} s"))
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until some pending grammar is compiled, or timeout seconds pass (an engine with nothing else
+        to run waits here instead of spinning)."""
+        futures = [f for f, _ in self._pending.values()]
+        if futures:
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def is_ready(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def error(self, request_id: str) -> str | None:
+        """Why request_id's matcher broke (a token it could not take), or None."""
+        m = self._matchers[request_id]
+        return (m.get_error() or "the grammar entered an error state") if m.is_error() else None
+
+    def fill_bitmasks(self, request_ids: list[str]) -> np.ndarray:
+        """[len(request_ids), width] int32: bit t of row i (word t // 32, bit t % 32) is set when token t may
+        come next for request i. Rows are filled in parallel by llguidance's threads."""
+        import llguidance
+        import llguidance.numpy as lnp
+
+        mask = np.zeros((len(request_ids), self.width), dtype=np.int32)
+        if self._mask_executor is None:
+            self._mask_executor = llguidance.LLExecutor()
+        lnp.fill_next_token_bitmask_par(self._mask_executor,
+                                        [(self._matchers[r], i) for i, r in enumerate(request_ids)], mask)
+        return mask
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """Advance request_id's matcher by a committed token; False when the grammar does not allow it."""
+        return bool(self._matchers[request_id].consume_token(token_id))
+
+    def is_terminated(self, request_id: str) -> bool:
+        """The grammar is complete and allows nothing more: the request is done."""
+        return bool(self._matchers[request_id].is_stopped())
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (speculative tokens that were not verified)."""
+        if not self._matchers[request_id].rollback(num_tokens):
+            raise GrammarError(f"request {request_id}: cannot roll back {num_tokens} tokens")
+
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the grammar forces next (its only legal continuation), for a drafter to propose."""
+        return list(self._matchers[request_id].compute_ff_tokens())
+
+    def remove(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending[0].cancel()
+        self._matchers.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, grammar: str) -> Any:
+        """On the worker thread: the pristine matcher of grammar, from the cache or compiled now."""
+        import llguidance
+
+        hit = self._cache.get(grammar)  # the cache and the tokenizer are the worker's alone
+        if hit is not None:
+            self._cache.move_to_end(grammar)
+            return hit
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        probe = matcher.deep_copy()  # a grammar no text can start (a regex matching nothing) fails at its first mask
+        probe.compute_bitmask()
+        for m in (matcher, probe):
+            if m.is_error():
+                raise GrammarError(m.get_error().strip().splitlines()[0])
+        self.num_compiled += 1
+        self._cache[grammar] = matcher
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return matcher
+
+    def _tokenizer(self) -> Any:
+        """llguidance's view of the checkpoint's tokenizer, built once (about a second at a 150K vocabulary)."""
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            hf = load_tokenizer(self._tokenizer_path)
+            if len(hf) > self.vocab_size:
+                raise GrammarError(f"the tokenizer has {len(hf)} tokens, more than the model's {self.vocab_size} "
+                                   "logits: structured outputs cannot map its tokens")
+            try:
+                self._lltokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                                 eos_token=self._eos or None)
+            except ValueError as e:  # a slow (Python) tokenizer
+                raise GrammarError(f"structured outputs need a fast tokenizer: {e}") from None
+        return self._lltokenizer
