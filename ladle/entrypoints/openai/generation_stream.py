@@ -78,11 +78,13 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if prev is None:
             merged[out.request_id] = EngineCoreOutput(out.request_id, list(out.new_token_ids),
                                                       list(out.new_logprobs), out.finish_reason, out.stop_reason,
-                                                      out.error, num_cached_tokens=out.num_cached_tokens)
+                                                      out.stop_token, out.error, out.error_code,
+                                                      num_cached_tokens=out.num_cached_tokens)
         else:
             prev.new_token_ids.extend(out.new_token_ids)
             prev.new_logprobs.extend(out.new_logprobs)
             prev.finish_reason, prev.stop_reason, prev.error = out.finish_reason, out.stop_reason, out.error
+            prev.stop_token, prev.error_code = out.stop_token, out.error_code
     return list(merged.values())
 
 
@@ -180,6 +182,9 @@ class GenerationStream:
         if ch is None or ch.finish_reason is not None:
             return None  # e.g. tokens that raced with our abort after a stop string
         if out.finish_reason == "error":
+            if out.error_code == "invalid_grammar":
+                raise OpenAIError(400, f"this request's structured output cannot be enforced: {out.error}",
+                                  code="invalid_value")
             raise OpenAIError(500, f"the engine failed this request: {out.error}", code="engine_error")
         if out.num_cached_tokens is not None:
             self.cached_tokens[ch.child_id] = out.num_cached_tokens

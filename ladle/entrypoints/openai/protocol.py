@@ -7,15 +7,15 @@ takes): a malformed request never reaches the engine.
 """
 from __future__ import annotations
 
-import logging
 import time
-import uuid
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-logger = logging.getLogger("ladle.server")
-
+from ladle.entrypoints.openai.protocol_base import (  # noqa: F401 -- the protocol's names, importable from here
+    ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
+)
+from ladle.entrypoints.openai.structured_request import GuidedFields, ResponseFormat, StructuredOutputsRequest
 # Bounds OpenAI documents; the engine's SamplingParams checks again.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128  # one request may not fan out into more engine requests than this
@@ -25,57 +25,11 @@ MAX_LOGPROBS = 20
 _F32_TINY, _F32_MAX = 2.0**-149, 3.4028234663852886e38
 
 
-
-def _utf8(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"is not valid UTF-8: a lone surrogate at character {e.start}") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
-TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's upper bound is checked against the served model
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                503: "service_unavailable_error"}
-
-
-class OpenAIError(Exception):
-    """An error the server answers with OpenAI's envelope."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    def response(self) -> "ErrorResponse":
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
-
-
-def internal_error(what: str, error: BaseException) -> OpenAIError:
-    """A 500 that names no exception text: that goes to the log, under an id the client can quote."""
-    error_id = f"err-{uuid.uuid4().hex[:16]}"
-    logger.error("%s (error id %s)", what, error_id, exc_info=error)
-    return OpenAIError(500, f"internal server error; the server log has the details under id {error_id}",
-                       code="internal_error")
-
-
-def clip(text: str, limit: int = 80) -> str:
-    """A client's string as an error message quotes it: its start, so a megabyte sent is not echoed back."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(GuidedFields):  # an OpenAIBaseModel
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's extras included)."""
     model: Text | None = None  # None: the served model
     n: int | None = Field(None, ge=1, le=MAX_N)  # default 1
@@ -98,6 +52,8 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's extra: lower first, with --scheduling-policy priority
     user: Text | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extra
 
 
 class CompletionRequest(SamplingRequest):
@@ -130,17 +86,6 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses ----
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens the prefix cache served, as OpenAI reports them
 

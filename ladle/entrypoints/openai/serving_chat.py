@@ -14,6 +14,7 @@ from ladle.entrypoints.openai.protocol import (
 )
 from ladle.frontend.message_marks import LAST_MESSAGES, message_ends
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
+from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
@@ -68,8 +69,10 @@ class OpenAIServingChat:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         self.ctx.check_choices(1, req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        structured, param = structured_outputs_of(req)
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, structured)
         self.ctx.check_stop(params.stop)
+        await self.ctx.check_structured(params, param)
         self.ctx.vocab_size()  # 503 before any work while no engine is ready
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:

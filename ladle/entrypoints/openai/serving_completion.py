@@ -13,6 +13,7 @@ from ladle.entrypoints.openai.protocol import (
 from ladle.entrypoints.openai.generation_stream import (
     ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
 )
+from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
 )
@@ -66,8 +67,10 @@ class OpenAIServingCompletion:
             raise OpenAIError(400, f"{len(prompts)} prompts in one request; this server allows at most {limit} "
                               "(--max-prompts-per-request)", code="invalid_value", param="prompt")
         self.ctx.check_choices(len(prompts), req.n)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        structured, param = structured_outputs_of(req)
+        params = sampling_params(req, req.max_tokens, req.logprobs, structured)
         self.ctx.check_stop(params.stop)
+        await self.ctx.check_structured(params, param)
         vocab = self.ctx.vocab_size()
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         ids, echo = await self.ctx.pool.run(lambda tok: _tokenize(tok, prompts, vocab, req.echo), chars)

@@ -13,9 +13,10 @@ from pydantic import BaseModel
 from ladle.serving.async_client import AsyncEngineClient
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.openai.metrics import ServerMetrics
-from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, internal_error
+from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, clip, internal_error
 from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
-from ladle.sampling_params import InvalidSamplingParam, SamplingParams
+from ladle.sampling_params import InvalidSamplingParam, SamplingParams, StructuredOutputsParams
+from ladle.structured_output.grammar import GrammarChecker, InvalidStructuredOutput
 
 
 T = TypeVar("T")
@@ -41,6 +42,7 @@ class ServingContext:
     model_name: str
     limits: ServingLimits = field(default_factory=ServingLimits)
     texts: TokenTexts = field(init=False)
+    grammars: GrammarChecker = field(default_factory=GrammarChecker)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
@@ -79,6 +81,18 @@ class ServingContext:
                               f"allows at most {self.limits.max_choices_per_request} per request "
                               "(--max-choices-per-request)", code="invalid_value", param="n")
 
+
+    async def check_structured(self, params: SamplingParams, param: str) -> None:
+        """A structured-output constraint is compiled (without the vocabulary) on a tokenizer thread before the
+        request is queued, so a schema or grammar that cannot be enforced is a 400 naming the field."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await self.pool.run(lambda _: self.grammars.check(spec))
+        except InvalidStructuredOutput as e:
+            param = e.field if param == "structured_outputs" else param  # the object's own field
+            raise OpenAIError(400, f"{param}: {clip(e.message, 2000)}", code="invalid_value", param=param) from None
 
     def check_stop(self, stop: list[str]) -> None:
         """Stop strings are matched on the event loop: bounded in count and size, so no request can hold it."""
@@ -119,7 +133,8 @@ def sse_error(err: OpenAIError) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's SamplingParams for an OpenAI request; OpenAI's defaults where the client sent null."""
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -132,7 +147,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             repetition_penalty=pick(req.repetition_penalty, 1.0), stop=req.stop,
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, priority=req.priority,
+            skip_special_tokens=req.skip_special_tokens, priority=req.priority, structured_outputs=structured,
         )
     except InvalidSamplingParam as e:
         raise OpenAIError(400, f"{e.field} {e.rule}, got {e.value!r}", code="invalid_value", param=e.field) from None
