@@ -77,15 +77,28 @@ def test_the_cache_compiles_a_grammar_once_and_bad_ones_fail_alone(manager):
     assert not manager.is_ready("x")
 
 
-def test_a_grammar_that_misses_its_deadline_fails_its_request(tiny_qwen3_dir):
+def test_a_compile_that_misses_its_deadline_fails_its_request_but_queueing_does_not(tiny_qwen3_dir):
+    import threading
+
     now = [0.0]
     m = StructuredOutputManager(tiny_qwen3_dir, 512, frozenset([EOS]), compile_timeout_s=5.0, clock=lambda: now[0])
-    m._pool.submit(time.sleep, 0.5)  # the worker is busy, so the grammar below waits
+    release, running = threading.Event(), threading.Event()
+    compile_for_real = m._matcher
+
+    def slow(tokenizer, grammar):
+        running.set()
+        release.wait(30)
+        return compile_for_real(tokenizer, grammar)
+
+    m._matcher = slow  # type: ignore[method-assign]
     m.add("slow", SO(regex="a+"))
-    assert m.poll() == []
+    m.add("queued", SO(regex="b+"))  # waits behind "slow" on the one worker
+    assert running.wait(30) and m.poll() == []
     now[0] = 6.0
     failed = m.poll()
-    assert failed and failed[0][0] == "slow" and "within 5 s" in failed[0][1] and m.num_pending == 0
+    assert [rid for rid, _ in failed] == ["slow"] and "within 5 s" in failed[0][1]
+    release.set()
+    assert ready(m) == [] and m.is_ready("queued")  # its compile began after the clock moved: in time
     m.shutdown()
 
 
@@ -115,3 +128,25 @@ def test_the_sampler_draws_a_constrained_row_among_its_allowed_tokens_only(param
     if params.logprobs:  # only allowed tokens are reported, each with a finite logprob
         assert set(out.logprobs[1]) <= {39, 52}
         assert all(np.isfinite(lp.logprob) for lp in out.logprobs[1].values())
+
+
+@pytest.mark.parametrize("vocab", [37, 64, 1000])
+def test_the_c_kernel_masks_exactly_what_the_torch_path_masks(vocab):
+    from ladle.kernels.cpu_kernels import load
+    from ladle.runner.sampler import allowed_only
+
+    rng = np.random.default_rng(vocab)
+    width = (vocab + 31) // 32
+    words = rng.integers(-2**31, 2**31, size=(3, width), dtype=np.int64).astype(np.int32)
+    words[0, 0], words[1, :] = -1, 0  # a whole word allowed; a row with nothing allowed
+    words[2, -1] = 0x55555555
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    batch, pos, counts = sampling_batch([SamplingParams(temperature=0)] * 5, vocab)
+    meta = batch.step(pos, counts, [(0, words[0]), (2, words[1]), (4, words[2])])
+    want = allowed_only(logits.clone(), meta)
+    got = allowed_only(logits.clone(), meta, load())
+    assert torch.equal(got, want) and not torch.equal(got, logits)
+    assert torch.equal(got[[1, 3]], logits[[1, 3]]) and bool(torch.isinf(got[2]).all())
+    bf16 = logits.bfloat16()  # not fp32: masked in a float32 copy, the caller's tensor untouched
+    assert torch.equal(allowed_only(bf16, meta, load()), allowed_only(bf16.float(), meta)) and torch.equal(
+        bf16, logits.bfloat16())

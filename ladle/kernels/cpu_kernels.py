@@ -22,7 +22,8 @@ from typing import Callable
 
 from ladle.paths import cache_dir
 
-SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "norm_rope.c")
+SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "norm_rope.c",
+           "apply_bitmask.c")
 # No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -100,6 +101,7 @@ class CpuKernels:
         self.add_rms_norm = self._typed("add_rms_norm", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.norm_rope = self._typed("norm_rope",
                                      [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, f32, flag, flag])
+        self.apply_bitmask = self._typed("apply_bitmask", [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64])
 
     def _typed(self, name: str, argtypes: list, restype: type | None = None) -> Callable[..., int | None]:
         fn = getattr(self.lib, name)

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from ladle.attention.backends import AttentionGroup, reference_group, select_backend
+from ladle.kernels.cpu_kernels import CpuKernels, KernelUnavailable
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import KVCacheLayout, StateGroup, paged_group
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
@@ -62,6 +64,14 @@ def allocate_checkpoint_tails(layout: KVCacheLayout, num_checkpoints: int,
     shape = (num_checkpoints, layout.block_size, spec.num_kv_heads, spec.head_dim)
     return {layer: torch.zeros(shape, dtype=spec.dtype, device=device)
             for g in layout.tail_groups for layer in layout.groups[g].layers}
+
+
+def _cpu_kernels() -> CpuKernels | None:
+    """ladle's C kernels, or None where they cannot be built (the torch paths run instead)."""
+    try:
+        return load_cpu_kernels()
+    except KernelUnavailable:
+        return None
 
 
 class PendingStep:
@@ -117,7 +127,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.groups = groups or (reference_group(backend=select_backend(device, paged_group().spec)),)
-        self.sampler = Sampler()
+        self.sampler = Sampler(_cpu_kernels() if device.type == "cpu" else None)
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # decode-only steps
         self.mixed_graphs: MixedGraphs | None = None  # steps with a prefill chunk
