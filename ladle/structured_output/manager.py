@@ -4,7 +4,8 @@ bitmask row only when its request samples, and advanced only by tokens the core 
 Compiling runs on one worker thread (llguidance drops the GIL while it builds a matcher), keyed by the grammar's
 text in an LRU of pristine matchers: a request takes a deep copy, so n samples of one request, or the same
 schema sent again, compile once. A request waits in the queue (the scheduler passes over it) until its copy is
-ready; one whose grammar fails to compile, or takes longer than compile_timeout_s, ends with an error.
+ready; one whose grammar fails to compile, or whose compile runs longer than compile_timeout_s, ends with an
+error (time queued behind other compiles, or behind the tokenizer's one-time build, does not count).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class StructuredOutputManager:
         self._lltokenizer: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
-        self._pending: dict[str, tuple[cf.Future, float]] = {}
+        # Each pending request's compile, and when that compile began (empty while it waits for the worker).
+        self._pending: dict[str, tuple[cf.Future, list[float]]] = {}
         self._matchers: dict[str, Any] = {}
         self._mask_executor: Any = None
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
@@ -55,27 +57,28 @@ class StructuredOutputManager:
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         """Start compiling request_id's grammar (a cached one is ready at the next poll)."""
+        started: list[float] = []
         try:
             grammar = grammar_of(spec)
         except InvalidStructuredOutput as e:
             future: cf.Future = cf.Future()
             future.set_exception(GrammarError(str(e)))
         else:
-            future = self._pool.submit(self._compile, grammar)
-        self._pending[request_id] = (future, self._clock())
+            future = self._pool.submit(self._compile, grammar, started)
+        self._pending[request_id] = (future, started)
 
     def poll(self) -> list[tuple[str, str]]:
         """Take the matchers compiled since the last poll; returns the requests that cannot run, with why."""
         failed = []
         now = self._clock()
-        for rid, (future, since) in list(self._pending.items()):
+        for rid, (future, started) in list(self._pending.items()):
             if future.done():
                 del self._pending[rid]
                 try:
                     self._matchers[rid] = future.result().deep_copy()
                 except Exception as e:  # noqa: BLE001 -- any failure ends this request only
                     failed.append((rid, f"its structured-output grammar could not be compiled: {e}"))
-            elif now - since > self.compile_timeout_s:
+            elif started and now - started[0] > self.compile_timeout_s:
                 del self._pending[rid]
                 future.cancel()
                 failed.append((rid, f"its structured-output grammar did not compile within "
@@ -104,14 +107,10 @@ class StructuredOutputManager:
     def fill_bitmasks(self, request_ids: list[str]) -> np.ndarray:
         """[len(request_ids), width] int32: bit t of row i (word t // 32, bit t % 32) is set when token t may
         come next for request i. Rows are filled in parallel by llguidance's threads."""
-        import llguidance
-        import llguidance.numpy as lnp
-
         mask = np.zeros((len(request_ids), self.width), dtype=np.int32)
-        if self._mask_executor is None:
-            self._mask_executor = llguidance.LLExecutor()
-        lnp.fill_next_token_bitmask_par(self._mask_executor,
-                                        [(self._matchers[r], i) for i, r in enumerate(request_ids)], mask)
+        row_bytes = mask.shape[1] * 4
+        for i, rid in enumerate(request_ids):
+            self._matchers[rid].unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
         return mask
 
     def accept(self, request_id: str, token_id: int) -> bool:
@@ -140,24 +139,32 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, grammar: str) -> Any:
-        """On the worker thread: the pristine matcher of grammar, from the cache or compiled now."""
-        import llguidance
-
+    def _compile(self, grammar: str, started: list[float]) -> Any:
+        """On the worker thread: the pristine matcher of grammar, from the cache or compiled now (noting in
+        `started` when the compile itself began)."""
         hit = self._cache.get(grammar)  # the cache and the tokenizer are the worker's alone
         if hit is not None:
             self._cache.move_to_end(grammar)
             return hit
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        tokenizer = self._tokenizer()
+        started.append(self._clock())
+        matcher = self._matcher(tokenizer, grammar)
+        self.num_compiled += 1
+        self._cache[grammar] = matcher
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return matcher
+
+    @staticmethod
+    def _matcher(tokenizer: Any, grammar: str) -> Any:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         probe = matcher.deep_copy()  # a grammar no text can start (a regex matching nothing) fails at its first mask
         probe.compute_bitmask()
         for m in (matcher, probe):
             if m.is_error():
                 raise GrammarError(m.get_error().strip().splitlines()[0])
-        self.num_compiled += 1
-        self._cache[grammar] = matcher
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
         return matcher
 
     def _tokenizer(self) -> Any:
