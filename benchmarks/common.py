@@ -25,6 +25,10 @@ MODELS: dict[str, dict[str, Any]] = {
     # Narrow, for the 32K-token measurements (memory, stalls) that must finish in minutes on 2 cores.
     "qwen3-256": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=32768),
+    # qwen3-512 with Qwen's real vocabulary size (151,936): the structured-output bitmask and the head at scale.
+    # Its tokenizer grows the BPE itself to 151,936 entries (extend_bpe), so grammars see an ordinary vocabulary.
+    "qwen3-512-152k": dict(bpe_vocab=True, vocab_size=151936, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=64, intermediate_size=1536, max_position_embeddings=32768),
     # About 100M parameters: the vLLM side-by-side model.
     "qwen3-768": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       num_key_value_heads=4, head_dim=64, intermediate_size=2048, max_position_embeddings=32768),
@@ -74,7 +78,10 @@ def build_model(name: str) -> str:
         return str(out)
     spec = dict(MODELS[name])
     vocab = spec.pop("vocab_size")
+    bpe_vocab = spec.pop("bpe_vocab", False)
     build_checkpoint(out, spec.pop("arch", "qwen3"), vocab_size=min(vocab, 11000), seed=0, **spec)
+    if bpe_vocab:
+        extend_bpe(out / "tokenizer.json", vocab)
     tok = AutoTokenizer.from_pretrained(out)
     if vocab > len(tok):
         tok.add_tokens([f"<t{i}>" for i in range(len(tok), vocab)])
@@ -90,6 +97,31 @@ def build_model(name: str) -> str:
         model.save_pretrained(out, safe_serialization=True)
     (out / "done").write_text("ok\n")
     return str(out)
+
+
+def extend_bpe(path: Path, vocab: int, max_chars: int = 16) -> None:
+    """Grow a byte-level BPE tokenizer.json to `vocab` ids with merges of two tokens it has (deterministic): new
+    ordinary vocabulary entries, as a real 150K vocabulary has, where padding with added tokens would give a
+    tokenizer no real model has (and one that llguidance takes minutes to read)."""
+    import random
+
+    data = json.loads(path.read_text())
+    model = data["model"]
+    ids, merges = model["vocab"], model["merges"]
+    taken = set(ids) | {t["content"] for t in data["added_tokens"]}
+    next_id = max([*ids.values(), *(t["id"] for t in data["added_tokens"])]) + 1
+    tokens = sorted(ids, key=ids.get)
+    rng = random.Random(0)
+    while next_id < vocab:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if a + b in taken or len(a + b) > max_chars:
+            continue
+        merges.append([a, b])
+        ids[a + b] = next_id
+        taken.add(a + b)
+        tokens.append(a + b)
+        next_id += 1
+    path.write_text(json.dumps(data, ensure_ascii=False))
 
 
 def set_budget(core: Any, budget: int) -> None:

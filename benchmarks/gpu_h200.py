@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
 from gpu_engine import decode_batch1, generate, peak, prefill_speed, prompts, set_async  # noqa: E402
 from gpu_quant import fp8_check  # noqa: E402
+from gpu_structured import structured_check  # noqa: E402
 from gpu_kernels import decode_graphs, kernel_check, kernel_speed, mixed_graphs, sync  # noqa: E402
 from gpu_table import table  # noqa: E402
 from gpu_tp import tensor_parallel  # noqa: E402
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         run.section("ops_check", 10, lambda: ops_check(device, small=a.dry_run))
         run.section("fp8_check", 30, lambda: fp8_check(device, small=a.dry_run))
         run.section("engine_vs_hf", 120, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
+        run.section("structured_check", 30, lambda: structured_check(device, workdir, small=a.dry_run))
         free(device)  # the check sections' blocks, still reserved, would count against the engine's budget
         ladle_8b(run, a, s, shape8, workdir, ids)
         free(device)

@@ -21,6 +21,7 @@ from report_parallel import tensor_parallel  # noqa: E402
 from report_quantized import quantized  # noqa: E402
 from report_peers import bf16_agreement, vllm_peer, vllm_serve_peer  # noqa: E402
 from report_scheduling import fairness  # noqa: E402
+from report_structured import structured  # noqa: E402
 
 
 def offline(r: dict[str, Any]) -> list[str]:
@@ -225,7 +226,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("stall_free", stall), ("long_prompt_fairness", fairness), ("serve_sweep", serve),
     ("vllm_side_by_side", vllm_peer), ("bf16_agreement", bf16_agreement), ("bf16_agreement_chunked", bf16_agreement),
     ("vllm_serve_side_by_side", vllm_serve_peer), ("vllm_serve_side_by_side_768", vllm_serve_peer),
-    ("tensor_parallel", tensor_parallel), ("agent_turns", agent_turns), ("quantized", quantized)]
+    ("tensor_parallel", tensor_parallel), ("agent_turns", agent_turns), ("quantized", quantized),
+    ("structured", structured)]
 
 
 GPU_GOALS = [
