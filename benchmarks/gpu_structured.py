@@ -58,7 +58,7 @@ def structured_check(device: torch.device, workdir: Path, small: bool) -> dict[s
     alone, _ = _run(core, prompts[0::3], [plain, plain], "alone")
     mixed = [plain, json_p, regex_p, plain, json_p, regex_p]
     got, finish = _run(core, prompts, mixed, "mixed")
-    texts = [tok.decode(t) for t in got]
+    texts = [tok.decode(t, skip_special_tokens=True) for t in got]  # the EOS that ended a row, as frontends do
     valid = []
     for i in (1, 4):
         try:
