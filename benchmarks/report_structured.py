@@ -33,8 +33,9 @@ def structured(r: dict[str, Any]) -> list[str]:
              f"{r['tokens']} tokens (greedy) under one JSON schema, an array of small objects with minItems "
              "10,000, so no row completes early and the matchers pass through string, integer, boolean and "
              "separator states; the peer is the same batch unconstrained, in alternating turns. Decode tok/s is "
-             f"the batch over the median full-decode step (each step timed whole); medians of {r['repeats']} "
-             f"turns. Machine: {m['cpus']} CPUs, torch {m['torch']} with {m['threads']} thread(s).", "",
+             f"the batch over the median full-decode step (each step timed whole), median of {r['repeats']} "
+             "turns; ratio and overhead per turn (its two runs back to back, in alternating order), then the "
+             f"median. Machine: {m['cpus']} CPUs, torch {m['torch']} with {m['threads']} thread(s).", "",
              "![structured](benchmarks/plots/structured.png)", ""]
     lines += table(["vocab", "batch", "unconstrained tok/s", "constrained tok/s", "ratio", "overhead ms/step",
                     "of which mask fill ms/step"],
