@@ -66,10 +66,13 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 4096) -> PreTrainedTokenizerFast:
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 4096, added_tokens: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE and save it as a transformers fast tokenizer; returns the tokenizer.
 
     Deterministic. The corpus supports about 11,800 tokens: a larger vocab_size yields that many.
+    added_tokens: plain (not special) tokens after the specials, as Qwen's <think> and <tool_call> are, so the
+    vocabulary is vocab_size + len(added_tokens); chat_template: the tokenizer's template (ChatML by default).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -90,6 +93,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 4096) -> PreTrainedTo
     tok.train_from_iterator(_corpus(), trainer=trainer)
     # Added after training so specials get the last ids, as in Qwen: ids [0, 256) stay plain byte tokens.
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens(list(added_tokens))
 
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -97,7 +101,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 4096) -> PreTrainedTo
         pad_token=ENDOFTEXT,
         bos_token=None,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )
@@ -132,10 +136,13 @@ def build_checkpoint(
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = True,
     seed: int = 0,
+    added_tokens: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
     **extra_config: Any,
 ) -> str:
     """Build tokenizer + random-weight model into out_dir (safetensors, float32); returns out_dir as str.
 
+    added_tokens and chat_template go to build_tokenizer (the model's vocabulary grows by the added tokens);
     extra_config is passed to the HF config (e.g. rope_parameters, rms_norm_eps, initializer_range).
     """
     import torch
@@ -150,7 +157,7 @@ def build_checkpoint(
     if arch not in config_classes:
         raise ValueError(f"arch must be one of {sorted(config_classes)}, got {arch!r}")
     out = Path(out_dir)
-    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok = build_tokenizer(out, vocab_size=vocab_size, added_tokens=tuple(added_tokens), chat_template=chat_template)
     endoftext_id = tok.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tok.convert_tokens_to_ids(IM_END)
 

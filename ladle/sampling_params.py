@@ -26,6 +26,20 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ThinkTags:
+    """A reasoning model's thinking-block delimiters as token ids. A frontend with a reasoning parser sets them on
+    a request's StructuredOutputsParams, so the constraint applies only once the thinking block has ended."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end or not all(isinstance(t, int) and t >= 0 for t in self.start + self.end):
+            raise InvalidSamplingParam("structured_outputs.think_tags", "must hold two non-empty token-id tuples",
+                                       self)
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
     or its JSON text), a regex, a choice of strings, a Lark or GBNF grammar, or any JSON object. Enforced on
@@ -43,6 +57,9 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False  # every object of the schema gets additionalProperties: false
     whitespace_pattern: str | None = None
     disable_fallback: bool = False  # accepted: ladle has one backend (llguidance) and never falls back
+    # Set by a frontend with a reasoning parser: the output may open with a thinking block (or the prompt left
+    # one open), unconstrained but for EOS; the constraint starts after its end tag.
+    think_tags: ThinkTags | None = None
 
     def __post_init__(self) -> None:
         set_ = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
@@ -56,6 +73,8 @@ class StructuredOutputsParams:
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise InvalidSamplingParam("structured_outputs.choice", "must be a non-empty list of strings",
                                        self.choice)
+        if self.think_tags is not None and not isinstance(self.think_tags, ThinkTags):
+            raise InvalidSamplingParam("structured_outputs.think_tags", "must be a ThinkTags", self.think_tags)
         if self.whitespace_pattern is not None and self.disable_any_whitespace:
             raise InvalidSamplingParam("structured_outputs.whitespace_pattern",
                                        "contradicts disable_any_whitespace; set one", self.whitespace_pattern)

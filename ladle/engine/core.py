@@ -137,7 +137,8 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.scheduler.add(request)
         if request.sampling_params.structured_outputs is not None:
-            self.grammars.add(request.request_id, request.sampling_params.structured_outputs)
+            self.grammars.add(request.request_id, request.sampling_params.structured_outputs,
+                              request.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []

@@ -18,10 +18,18 @@ import numpy as np
 
 from ladle.sampling_params import StructuredOutputsParams
 from ladle.structured_output.grammar import InvalidStructuredOutput, grammar_of
+from ladle.structured_output.think_gate import Gate, ThinkGate
 from ladle.tokenizer import load_tokenizer
 
 DEFAULT_CACHE_SIZE = 64  # pristine matchers kept (each holds its lexer: kilobytes to megabytes)
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+
+def _set_bit(row: np.ndarray, token_id: int, value: bool) -> None:
+    word, bit = divmod(token_id, 32)
+    if word < row.shape[0]:
+        u = row.view(np.uint32)
+        u[word] = u[word] | np.uint32(1 << bit) if value else u[word] & np.uint32(~(1 << bit) & 0xFFFFFFFF)
 
 
 class GrammarError(RuntimeError):
@@ -47,7 +55,7 @@ class StructuredOutputManager:
         # Each pending request's compile, and when that compile began (empty while it waits for the worker).
         self._pending: dict[str, tuple[cf.Future, list[float]]] = {}
         self._matchers: dict[str, Any] = {}
-        self._mask_executor: Any = None
+        self._gates: dict[str, ThinkGate] = {}  # requests whose constraint waits for a thinking block's end
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
 
     @property
@@ -55,8 +63,11 @@ class StructuredOutputManager:
         """Int32 words per bitmask row."""
         return (self.vocab_size + 31) // 32
 
-    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
-        """Start compiling request_id's grammar (a cached one is ready at the next poll)."""
+    def add(self, request_id: str, spec: StructuredOutputsParams, prompt: list[int] | None = None) -> None:
+        """Start compiling request_id's grammar (a cached one is ready at the next poll); prompt: its token ids,
+        which say whether it starts inside a thinking block (with spec.think_tags)."""
+        if spec.think_tags is not None:
+            self._gates[request_id] = ThinkGate.at_prompt(spec.think_tags, prompt or [])
         started: list[float] = []
         try:
             grammar = grammar_of(spec)
@@ -110,24 +121,47 @@ class StructuredOutputManager:
         mask = np.zeros((len(request_ids), self.width), dtype=np.int32)
         row_bytes = mask.shape[1] * 4
         for i, rid in enumerate(request_ids):
+            gate = self._gates.get(rid)
+            if gate is not None and gate.state is Gate.THINKING:
+                mask[i] = -1  # thinking: anything but EOS
+                for t in self._eos:
+                    _set_bit(mask[i], t, False)
+                continue
             self._matchers[rid].unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
+            if gate is not None and gate.state is Gate.MAY_OPEN:
+                _set_bit(mask[i], gate.tags.start[0], True)
         return mask
 
     def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance request_id's matcher by a committed token; False when the grammar does not allow it."""
+        """Advance request_id by a committed token (its matcher, unless a thinking block holds it); False when
+        the grammar does not allow the token."""
+        gate = self._gates.get(request_id)
+        if gate is not None and not gate.take(token_id):
+            return True
         return bool(self._matchers[request_id].consume_token(token_id))
 
     def is_terminated(self, request_id: str) -> bool:
         """The grammar is complete and allows nothing more: the request is done."""
-        return bool(self._matchers[request_id].is_stopped())
+        gate = self._gates.get(request_id)
+        return (gate is None or gate.state is Gate.ENFORCED) and bool(self._matchers[request_id].is_stopped())
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Undo the last num_tokens accepted tokens (speculative tokens that were not verified)."""
+        """Undo the last num_tokens accepted tokens (speculative tokens that were not verified), all of them
+        the grammar's (not across a thinking block's end)."""
+        gate = self._gates.get(request_id)
+        if gate is not None and (gate.state is not Gate.ENFORCED or num_tokens > gate.fed):
+            raise GrammarError(f"request {request_id}: cannot roll back {num_tokens} tokens across its thinking block")
         if not self._matchers[request_id].rollback(num_tokens):
             raise GrammarError(f"request {request_id}: cannot roll back {num_tokens} tokens")
+        if gate is not None:
+            gate.fed -= num_tokens
 
     def forced_tokens(self, request_id: str) -> list[int]:
-        """The tokens the grammar forces next (its only legal continuation), for a drafter to propose."""
+        """The tokens the grammar forces next (its only legal continuation), for a drafter to propose; none
+        while a thinking block may still come."""
+        gate = self._gates.get(request_id)
+        if gate is not None and gate.state is not Gate.ENFORCED:
+            return []
         return list(self._matchers[request_id].compute_ff_tokens())
 
     def remove(self, request_id: str) -> None:
@@ -135,6 +169,7 @@ class StructuredOutputManager:
         if pending is not None:
             pending[0].cancel()
         self._matchers.pop(request_id, None)
+        self._gates.pop(request_id, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
