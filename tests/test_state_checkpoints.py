@@ -257,17 +257,18 @@ def test_the_server_reuses_what_precedes_an_edited_reply(models, tmp_path):
 def test_the_server_marks_the_same_message_ends_as_the_offline_chat(models):
     from transformers import AutoTokenizer
 
-    from ladle.entrypoints.openai.serving_chat import _prompt_ids
+    from ladle.entrypoints.openai.chat_render import ChatPrompt, render
     from ladle.serving.messages import AddRequest
 
     path, _ = models("dsv4_small_window")
     tok = AutoTokenizer.from_pretrained(path)
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
-    ids, marks = _prompt_ids(tok, conv, True, mark=True)
+    prompt = ChatPrompt(conv, None, {}, None, True)
+    ids, marks, _ = render(tok, prompt, mark=True)
     heads = [tok.encode(tok.apply_chat_template(conv[:n], tokenize=False), add_special_tokens=False) for n in (1, 2, 3)]
     assert marks == tuple(len(h) for h in heads) and all(ids[: len(h)] == h for h in heads)
-    assert _prompt_ids(tok, conv, True) == (ids, ())
+    assert render(tok, prompt, mark=False)[:2] == (ids, ())
     assert AddRequest("r", [ids], GREEDY, marks).checkpoint_marks == marks
 
 

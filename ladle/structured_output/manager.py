@@ -25,6 +25,29 @@ DEFAULT_CACHE_SIZE = 64  # pristine matchers kept (each holds its lexer: kilobyt
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
 
+def llguidance_tokenizer(hf: Any, vocab_size: int, eos: list[int]) -> Any:
+    """llguidance's tokenizer for a fast HF tokenizer. llguidance reads every added token as special (a grammar's
+    text never matches it), but a plain added token (special: false, as Qwen's <tool_call> and <think> are) is
+    text the model writes: it joins the BPE vocabulary here, so a grammar's "<tool_call>" matches it."""
+    import copy
+    import json
+
+    import llguidance
+
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError("structured outputs need a fast tokenizer (tokenizer.json)")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    if spec.get("model", {}).get("type") == "BPE":
+        plain = [t for t in spec.get("added_tokens", []) if not t.get("special")]
+        spec["model"]["vocab"].update({t["content"]: t["id"] for t in plain})
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos or None)
+
+
 def _set_bit(row: np.ndarray, token_id: int, value: bool) -> None:
     word, bit = divmod(token_id, 32)
     if word < row.shape[0]:
@@ -203,17 +226,11 @@ class StructuredOutputManager:
         return matcher
 
     def _tokenizer(self) -> Any:
-        """llguidance's view of the checkpoint's tokenizer, built once (about a second at a 150K vocabulary)."""
+        """llguidance's view of the checkpoint's tokenizer, built once (about 2 s at a 150K vocabulary)."""
         if self._lltokenizer is None:
-            import llguidance.hf
-
             hf = load_tokenizer(self._tokenizer_path)
             if len(hf) > self.vocab_size:
                 raise GrammarError(f"the tokenizer has {len(hf)} tokens, more than the model's {self.vocab_size} "
                                    "logits: structured outputs cannot map its tokens")
-            try:
-                self._lltokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                                 eos_token=self._eos or None)
-            except ValueError as e:  # a slow (Python) tokenizer
-                raise GrammarError(f"structured outputs need a fast tokenizer: {e}") from None
+            self._lltokenizer = llguidance_tokenizer(hf, self.vocab_size, self._eos)
         return self._lltokenizer

@@ -66,6 +66,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
 
     from ladle.entrypoints.openai.edge import EdgeLimits
     from ladle.entrypoints.openai.app import ServerState
+    from ladle.entrypoints.openai.chat_settings import architecture, resolve_chat_settings
     from ladle.entrypoints.openai.serving_chat import chat_template_problem
     from ladle.entrypoints.openai.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
@@ -77,7 +78,11 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
                        problem)
     limits = ServingLimits(args.max_prompts_per_request, args.max_choices_per_request, args.max_stop_strings,
                            args.max_stop_chars, args.max_logprobs_per_request)
-    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits)
+    chat = resolve_chat_settings(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice,
+                                 args.chat_template, architecture(model),
+                                 args.structured_outputs_enable_in_reasoning)
+    logger.info("chat settings:\n%s", chat.report())
+    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits, chat)
     return ServerState(ctx, EdgeLimits(args.api_key, args.max_request_body_bytes, args.timeout_request_body))
 
 

@@ -8,7 +8,7 @@ takes): a malformed request never reaches the engine.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +16,9 @@ from ladle.entrypoints.openai.protocol_base import (  # noqa: F401 -- the protoc
     ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
 )
 from ladle.entrypoints.openai.structured_request import GuidedFields, ResponseFormat, StructuredOutputsRequest
+from ladle.entrypoints.openai.tool_protocol import (
+    MAX_TOOLS, ChatCompletionToolParam, DeltaToolCall, ToolCallOut, ToolCallParam, ToolChoice,
+)
 # Bounds OpenAI documents; the engine's SamplingParams checks again.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128  # one request may not fan out into more engine requests than this
@@ -74,6 +77,9 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls, sent back in the history
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    reasoning_content: Text | None = None  # an assistant's thinking, sent back (templates decide what to keep)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -83,6 +89,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolParam] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (e.g. enable_thinking)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # passed to the chat template
 
 
 # ---- responses ----
@@ -141,7 +152,9 @@ class ChatCompletionLogProbs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -164,6 +177,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -54,6 +54,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-request-body", type=float, default=30.0,
                    help="seconds a request body may pause between two parts before the request gets 408 "
                         "(default 30)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how the model writes tool calls: hermes (Qwen3); none turns it off (default: derived "
+                        "from the checkpoint's architecture)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="how the model writes its thinking: qwen3, deepseek_v4; none turns it off (default: "
+                        "derived from the architecture)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model choose to call tools (tool_choice auto); on whenever a tool-call parser is "
+                        "set or derived, and refused without one")
+    p.add_argument("--structured-outputs-enable-in-reasoning", action="store_true",
+                   help="a structured-output constraint holds from the first token, thinking included (the grammar "
+                        "spells the thinking block); by default it waits for the thinking block's end")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
     add_engine_flags(p)
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from ladle.serving.async_client import AsyncEngineClient
+from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.openai.metrics import ServerMetrics
 from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, clip, internal_error
@@ -41,6 +42,7 @@ class ServingContext:
     metrics: ServerMetrics
     model_name: str
     limits: ServingLimits = field(default_factory=ServingLimits)
+    chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers, chat template
     texts: TokenTexts = field(init=False)
     grammars: GrammarChecker = field(default_factory=GrammarChecker)
 

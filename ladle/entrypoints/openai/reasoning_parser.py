@@ -1,0 +1,90 @@
+"""Reasoning parsers: a thinking model's output split into its thinking (reasoning_content) and its answer.
+
+Where the thinking block stands at the start of the output is read from the prompt, the same for every family:
+a prompt whose last think tag is an open <think> (Qwen3.5, Qwen3-Thinking, DeepSeek's thinking mode) starts the
+output thinking; any other may open a block with its first text (Qwen3's hybrid models write <think>
+themselves), else it is all answer. Thinking ends at </think>; an output cut off inside the block is all
+thinking (as vLLM's deepseek_r1 parser reads it). Text that may still be part of a tag is held back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.entrypoints.openai.tool_parsers.base import partial_suffix
+from ladle.sampling_params import ThinkTags
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def starts_thinking(self, prompt_text: str) -> bool:
+        """Whether the prompt leaves a thinking block open for the model."""
+        return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
+
+    def think_tags(self, tokenizer: Any) -> ThinkTags:
+        """The tags as the tokenizer encodes them (one token each in the families' real vocabularies)."""
+        ids = [tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (self.start, self.end)]
+        return ThinkTags(*ids)
+
+    def stream(self, thinking: bool) -> "ReasoningStream":
+        return ReasoningStream(self, thinking)
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_v4"))}
+
+
+class ReasoningStream:
+    """One choice's output, fed as text: (reasoning, answer) pieces out."""
+
+    def __init__(self, parser: ReasoningParser, thinking: bool) -> None:
+        self.parser = parser
+        self.state = "thinking" if thinking else "may_open"
+        self._held = ""
+        self._fresh = True  # at the start of the thinking text: leading newlines are the tag's, not thought
+
+    def feed(self, text: str) -> tuple[str, str]:
+        p, reasoning, answer = self.parser, "", ""
+        self._held += text
+        while self._held:
+            if self.state == "may_open":
+                stripped = self._held.lstrip()
+                if stripped.startswith(p.start):
+                    self.state, self._held = "thinking", stripped[len(p.start):]
+                elif p.start.startswith(stripped):
+                    return reasoning, answer  # may still become the tag
+                else:
+                    self.state = "answer"
+            elif self.state == "thinking":
+                i = self._held.find(p.end)
+                if i < 0:
+                    keep = partial_suffix(self._held, p.end)
+                    reasoning += self._thought(self._held[:len(self._held) - keep])
+                    self._held = self._held[len(self._held) - keep:]
+                    return reasoning, answer
+                reasoning += self._thought(self._held[:i])
+                self.state, self._held = "answer_start", self._held[i + len(p.end):]
+            elif self.state == "answer_start":  # the blank lines after </think> separate, they are not answer
+                self._held = self._held.lstrip()
+                if self._held:
+                    self.state = "answer"
+            else:
+                answer += self._held
+                self._held = ""
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        """The output ended: what was held back (a cut-off tag is text of the part it was in)."""
+        held, self._held = self._held, ""
+        if self.state == "thinking":
+            return self._thought(held), ""
+        return "", held if self.state in ("may_open", "answer") else held.lstrip()
+
+    def _thought(self, text: str) -> str:
+        if self._fresh:
+            text = text.lstrip("\n")
+            self._fresh = not text
+        return text

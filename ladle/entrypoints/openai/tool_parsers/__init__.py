@@ -1,0 +1,19 @@
+"""Tool-call parsers by name (vLLM's --tool-call-parser names), and the ones each architecture's templates use."""
+from __future__ import annotations
+
+from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
+from ladle.entrypoints.openai.tool_parsers.hermes import HermesFormat
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(),)}
+
+# config.json's architecture -> (tool-call parser, reasoning parser) its family's chat templates speak.
+ARCHITECTURE_PARSERS: dict[str, tuple[str | None, str | None]] = {
+    "Qwen3ForCausalLM": ("hermes", "qwen3"),
+    "Qwen3MoeForCausalLM": ("hermes", "qwen3"),
+    "Qwen3_5ForCausalLM": ("qwen3_coder", "qwen3"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_coder", "qwen3"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_coder", "qwen3"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_coder", "qwen3"),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "deepseek_v4"),
+    "LlamaForCausalLM": ("llama3_json", None),
+}

@@ -1,0 +1,102 @@
+"""Qwen3's tool calls (and Hermes-style templates'): a JSON object in <tool_call> tags, one per call.
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Arguments are the model's own JSON text, streamed as it comes (the object's braces matched outside strings),
+so the client gets the model's bytes. A region whose JSON does not parse once it closes is content.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools
+from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+
+START, END = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def object_end(text: str, start: int) -> int | None:
+    """Where the JSON value at text[start] (an object or array) ends: the index past its closing bracket, or None
+    while it is open. Brackets inside strings do not count."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    start = START
+
+    def region_end(self, region: str) -> int | None:
+        i = region.find(END, len(START))
+        return None if i < 0 else i + len(END)
+
+    def progress(self, region: str, tools: Tools, final: bool) -> list[CallProgress] | None:
+        body = region[len(START):]
+        closed = body.endswith(END)
+        body = body[:-len(END)] if closed else body
+        if closed or final:  # whole: the object must parse
+            try:
+                call = json.loads(body)
+            except ValueError:
+                return None
+            args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(args, dict):
+                return None
+            m = _ARGS_KEY.search(body)
+            raw = body[m.end():object_end(body, m.end())] if m and body[m.end():m.end() + 1] == "{" else None
+            # The model's own text when it is the object's; else the object written out again.
+            text = raw if raw is not None and _same(raw, args) else json.dumps(args, ensure_ascii=False)
+            return [CallProgress(call["name"], text, True)]
+        m = _NAME.match(body)
+        if m is None:  # not readable yet (or never: then it is content once the region closes)
+            return []
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return None
+        a = _ARGS_KEY.match(body, m.end())
+        if a is None or body[a.end():a.end() + 1] != "{":
+            return [CallProgress(name, "", False)]
+        end = object_end(body, a.end())
+        return [CallProgress(name, body[a.end():end] if end is not None else body[a.end():], False)]
+
+    def grammar(self, tools: Tools, parallel: bool) -> str:
+        schema = {"anyOf": [call_schema(name, params, "arguments") for name, params in tools.items()],
+                  "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
+        call = f'"{START}\\n" %json {json.dumps(schema)} "\\n{END}"'
+        return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
+
+
+def call_schema(name: str, params: dict, key: str) -> dict:
+    """{"name": name, key: <params>}: one call of one function, as a JSON schema."""
+    return {"type": "object", "properties": {"name": {"const": name}, key: params or {"type": "object"}},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def _same(raw: str, args: dict) -> bool:
+    try:
+        return json.loads(raw) == args
+    except ValueError:
+        return False

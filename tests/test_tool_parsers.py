@@ -1,0 +1,113 @@
+"""Tool-call and reasoning parsers on recorded model outputs: whole, and split at every character boundary into
+stream deltas, they give the same content, thinking and calls; names come before arguments, arguments only grow;
+malformed calls stay content; the forced-call grammars validate."""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf as llguidance_hf
+import pytest
+
+from ladle.entrypoints.openai.reasoning_parser import PARSERS
+from ladle.entrypoints.openai.tool_parsers import FORMATS
+from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
+
+TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                         "required": ["city"]},
+         "noop": {"type": "object", "properties": {}}}
+
+# (output, content, [(name, arguments)]) in the hermes format (Qwen3)
+HERMES = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>', "",
+     [("get_weather", {"city": "Paris", "days": 2})]),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>', "Let me check.\n",
+     [("get_weather", {"city": "Paris"}), ("noop", {})]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a \\"}\\" b {x}"}}\n</tool_call>', "",
+     [("get_weather", {"city": 'a "}" b {x}'})]),  # braces and quotes inside a string
+    ('<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>', "",
+     [("get_weather", {"city": "Oslo"})]),  # keys in the other order
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', "",
+     [("get_weather", {"city": "Rome"})]),  # the closing tag never came
+    ('<tool_call>\nnot json at all\n</tool_call> and text', "<tool_call>\nnot json at all\n</tool_call> and text", []),
+    ('Text that mentions <tool_call', "Text that mentions <tool_call", []),  # a tag cut off is text
+    ('plain answer, no calls', "plain answer, no calls", []),
+]
+
+
+def streamed(fmt, text: str, tools=TOOLS):
+    stream = ToolStream(fmt, tools)
+    content, args, names, order = "", {}, {}, []
+    for piece in [*text, None]:
+        d = stream.feed(piece) if piece is not None else stream.finish()
+        content += d.content
+        for t in d.tool_calls:
+            if t.name is not None:
+                assert t.index not in names and t.id  # a call's name comes once, with its id, before its arguments
+                names[t.index] = t.name
+                order.append(t.index)
+            assert t.index in names
+            args[t.index] = args.get(t.index, "") + t.arguments
+    return content, [(names[i], args.get(i, "")) for i in order], stream.calls
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES)
+def test_hermes_whole_and_streamed_agree(text, content, calls):
+    fmt = FORMATS["hermes"]
+    got_content, got_calls = parse_whole(fmt, text, TOOLS)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    s_content, s_calls, stream_calls = streamed(fmt, text)
+    assert s_content == content
+    assert [(n, json.loads(a)) for n, a in s_calls] == calls
+    assert [c.arguments for c in stream_calls] == [c.arguments for c in got_calls]
+
+
+def test_hermes_streams_arguments_in_pieces_as_they_come():
+    fmt, text = FORMATS["hermes"], HERMES[0][0]
+    stream = ToolStream(fmt, TOOLS)
+    pieces = [d for ch in text for d in stream.feed(ch).tool_calls]
+    assert pieces[0].name == "get_weather" and pieces[0].arguments == ""
+    assert len([p for p in pieces if p.arguments]) > 10  # not one piece at the end
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_call_grammars_compile_and_match_the_format(parallel, tokenizer):
+    fmt = FORMATS["hermes"]
+    grammar = llguidance.grammar_from("grammar", fmt.grammar(TOOLS, parallel))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    lltok = llguidance_hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    call = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    for text, ok in ((call, True), (call + "\n" + call, parallel), ('<tool_call>\n{"name": "other", "arguments": {}}',
+                                                                   False)):
+        m = llguidance.LLMatcher(lltok, grammar)
+        assert (m.consume_tokens(tokenizer.encode(text)) and m.is_accepting()) == ok, text
+
+
+# (prompt opened the block, output, reasoning, answer)
+REASONING = [
+    (False, "<think>\nLet me think.\n</think>\n\nThe answer.", "Let me think.\n", "The answer."),
+    (True, "Still thinking</think>\n\nDone", "Still thinking", "Done"),
+    (True, "cut off while thinking", "cut off while thinking", ""),
+    (False, "No thinking at all.", "", "No thinking at all."),
+    (False, "  <thin", "", "  <thin"),  # a cut-off tag at the end is answer text
+    (False, "<thinker> is not a tag", "", "<thinker> is not a tag"),
+    (True, "a</thi", "a</thi", ""),
+]
+
+
+@pytest.mark.parametrize("opened, text, reasoning, answer", REASONING)
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_reasoning_whole_and_streamed_agree(name, opened, text, reasoning, answer):
+    for pieces in ([text], list(text)):
+        s = PARSERS[name].stream(opened)
+        got = [s.feed(p) for p in pieces] + [s.finish()]
+        assert ("".join(r for r, _ in got), "".join(a for _, a in got)) == (reasoning, answer)
+
+
+def test_the_prompt_says_whether_thinking_is_open():
+    p = PARSERS["qwen3"]
+    assert p.starts_thinking("<|im_start|>assistant\n<think>\n")
+    assert not p.starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not p.starts_thinking("<|im_start|>assistant\n")
