@@ -32,11 +32,17 @@ class ThinkTags:
 
     start: tuple[int, ...]
     end: tuple[int, ...]
+    # Where the request starts: "thinking" (the prompt left a block open), "may_open" (its first token may open
+    # one), "enforced" (no block: the template closed this turn's); None reads it from the prompt's tokens.
+    initial: str | None = None
 
     def __post_init__(self) -> None:
         if not self.start or not self.end or not all(isinstance(t, int) and t >= 0 for t in self.start + self.end):
             raise InvalidSamplingParam("structured_outputs.think_tags", "must hold two non-empty token-id tuples",
                                        self)
+        if self.initial not in (None, "thinking", "may_open", "enforced"):
+            raise InvalidSamplingParam("structured_outputs.think_tags.initial",
+                                       "must be thinking, may_open, enforced or None", self.initial)
 
 
 @dataclass(frozen=True)

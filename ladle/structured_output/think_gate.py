@@ -42,6 +42,9 @@ class ThinkGate:
 
     @classmethod
     def at_prompt(cls, tags: ThinkTags, prompt: list[int]) -> "ThinkGate":
+        if tags.initial is not None:  # the frontend read the rendered prompt
+            state = Gate(tags.initial)
+            return cls(tags, Gate.ENFORCED if state is Gate.MAY_OPEN and len(tags.start) != 1 else state)
         if last_index(prompt, tags.start) > last_index(prompt, tags.end):
             return cls(tags, Gate.THINKING)
         return cls(tags, Gate.MAY_OPEN if len(tags.start) == 1 else Gate.ENFORCED)

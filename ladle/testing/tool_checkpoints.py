@@ -15,6 +15,8 @@ TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3": ("qwen3.jinja", ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                               "</tool_response>")),
+    "qwen3_5": ("qwen35_xml.jinja", ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                                     "</tool_response>")),
 }
 
 

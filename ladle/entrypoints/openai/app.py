@@ -19,7 +19,11 @@ from ladle.entrypoints.openai.protocol import (
     ModelCard, ModelList, OpenAIError, clip, internal_error,
 )
 from ladle.entrypoints.openai.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
+from ladle.entrypoints.openai.anthropic_protocol import (
+    ANTHROPIC, AnthropicMessageResponse, CountTokensRequest, MessagesRequest, TokenCount, anthropic_error,
+)
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat
+from ladle.entrypoints.openai.serving_messages import AnthropicServingMessages
 from ladle.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from ladle.entrypoints.openai.serving_engine import ServingContext
 
@@ -81,25 +85,27 @@ def build_app(state: ServerState) -> FastAPI:
     keyed = state.edge_limits.api_key is not None
     install_openapi(app, api_key=keyed)
 
-    def envelope(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(err.response().model_dump(), status_code=err.status, headers=headers)
+    def envelope(err: OpenAIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+        """OpenAI's error body, or Anthropic's on the Messages API's routes."""
+        body = anthropic_error(err.status, err.message) if path.startswith(ANTHROPIC) else err.response().model_dump()
+        return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return envelope(exc)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return envelope(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return envelope(_validation_error(exc))  # OpenAI answers 400, not FastAPI's 422
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return envelope(_validation_error(exc), path=request.url.path)  # 400, not FastAPI's 422
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # exc.headers carries e.g. the Allow header of a 405.
-        return envelope(OpenAIError(exc.status_code, str(exc.detail), code=None), headers=exc.headers)
+        return envelope(OpenAIError(exc.status_code, str(exc.detail), code=None), exc.headers, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return envelope(internal_error(f"{request.method} {request.url.path} failed", exc))
+        return envelope(internal_error(f"{request.method} {request.url.path} failed", exc), path=request.url.path)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != ctx.model_name:
@@ -107,6 +113,7 @@ def build_app(state: ServerState) -> FastAPI:
                               f"{ctx.model_name!r}", code="model_not_found", param="model")
 
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
+    messages = AnthropicServingMessages(chat)
 
     @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse, keyed))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -118,6 +125,17 @@ def build_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         check_model(request.model)
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/messages", response_model=None, responses=generation_responses(AnthropicMessageResponse, keyed))
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        """The Anthropic Messages API (errors in Anthropic's envelope)."""
+        check_model(request.model)
+        return await messages.create_message(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens", responses=error_responses(400, *((401,) if keyed else ()), 404, 503))
+    async def count_tokens(request: CountTokensRequest) -> TokenCount:
+        check_model(request.model)
+        return TokenCount(**await messages.count_tokens(request))
 
     @app.get("/v1/models", responses=error_responses(*((401,) if keyed else ()), 500, 503))
     async def list_models() -> ModelList:

@@ -8,7 +8,7 @@ from typing import Any
 from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.protocol_base import OpenAIError
 from ladle.entrypoints.openai.tool_parsers.base import Tools
-from ladle.sampling_params import StructuredOutputsParams, ThinkTags
+from ladle.sampling_params import SamplingParams, StructuredOutputsParams, ThinkTags
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ def tool_plan(req: Any, settings: ChatSettings) -> ToolPlan:
 
 
 def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured: StructuredOutputsParams | None,
-              param: str, think: ThinkTags | None) -> tuple[StructuredOutputsParams | None, str]:
+              param: str) -> tuple[StructuredOutputsParams | None, str]:
     """The request's constraint: a forced call's grammar for "required" or a named function (which then may not
-    be combined with response_format or structured_outputs); with a reasoning parser, it waits for thinking."""
+    be combined with response_format or structured_outputs)."""
     if plan.choice in ("required", "function"):
         if structured is not None:
             raise OpenAIError(400, f"tool_choice {plan.choice!r} forces a tool call, so {param} cannot also "
@@ -59,6 +59,14 @@ def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured
         tools = plan.tools if plan.function is None else {plan.function: plan.tools[plan.function]}
         grammar = settings.tool_format.grammar(tools, parallel and plan.function is None)
         structured, param = StructuredOutputsParams(grammar=grammar), "tool_choice"
-    if structured is not None and think is not None and not settings.enable_in_reasoning:
-        structured = replace(structured, think_tags=think)
     return structured, param
+
+
+def gated(params: SamplingParams, settings: ChatSettings, think: ThinkTags | None, prompt_text: str) -> SamplingParams:
+    """With a reasoning parser, a constraint waits for the thinking block, starting where the rendered prompt
+    leaves the model (ReasoningParser.gate); --structured-outputs-enable-in-reasoning holds it from the start."""
+    so = params.structured_outputs
+    if so is None or think is None or settings.reasoning is None or settings.enable_in_reasoning:
+        return params
+    tags = replace(think, initial=settings.reasoning.gate(prompt_text))
+    return replace(params, structured_outputs=replace(so, think_tags=tags))

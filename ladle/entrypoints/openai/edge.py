@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ladle.entrypoints.openai.anthropic_protocol import ANTHROPIC, anthropic_error
 from ladle.entrypoints.openai.protocol import OpenAIError, clip
 
 # Routes that stay open without a key and while draining: probes and scrapers must see the truth.
@@ -32,11 +34,13 @@ class EdgeState:
 
 
 async def refuse(receive: Receive, send: Send, status: int, message: str, code: str,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, path: str = "") -> None:
     """Answer an error without reading the request, then linger: discard what the client still sends before
     the connection closes. Closing a socket with unread bytes makes the kernel reset it, and a reset can take
-    the answer's unsent bytes with it, so the client would see a dropped connection instead of the error."""
-    body = OpenAIError(status, message, code).response().model_dump_json().encode()
+    the answer's unsent bytes with it, so the client would see a dropped connection instead of the error.
+    The Messages API's routes get Anthropic's error body."""
+    body = (json.dumps(anthropic_error(status, message)).encode() if path.startswith(ANTHROPIC) else
+            OpenAIError(status, message, code).response().model_dump_json().encode())
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -74,14 +78,15 @@ class EdgeMiddleware:
             return
         path = scope["path"]
         if self.state.draining and path not in OPEN_PATHS:
-            await refuse(receive, send, 503, "the server is shutting down", "server_shutting_down")
+            await refuse(receive, send, 503, "the server is shutting down", "server_shutting_down", path=path)
             return
         if self._key is not None and path.startswith("/v1") and not self._authorized(scope):
             await refuse(receive, send, 401, "a valid API key is required: send the header 'Authorization: "
-                         "Bearer <key>'", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                         "Bearer <key>' (or 'x-api-key: <key>')", "invalid_api_key", {"WWW-Authenticate": "Bearer"},
+                         path)
             return
         if scope["method"] == "POST" and (unsupported := _unsupported_media(scope["headers"])) is not None:
-            await refuse(receive, send, 415, unsupported, "unsupported_media_type")
+            await refuse(receive, send, 415, unsupported, "unsupported_media_type", path=path)
             return
         body = await self._read_body(scope, receive, send)
         if body is None:
@@ -93,14 +98,18 @@ class EdgeMiddleware:
             self.state.in_flight -= 1
 
     def _authorized(self, scope: Scope) -> bool:
+        """'Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY' (its clients send either)."""
         assert self._key is not None
-        given = b""
+        bearer = x_api_key = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                given = value
-        scheme, _, token = given.partition(b" ")
+                bearer = value
+            elif name == b"x-api-key":
+                x_api_key = value
+        scheme, _, token = bearer.partition(b" ")
         # compare_digest takes the same time wherever the first difference is: no timing oracle on the key.
-        return hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
+        by_bearer = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
+        return hmac.compare_digest(x_api_key.strip(), self._key) or by_bearer
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None after answering 413: a declared length over the limit is refused before
@@ -108,7 +117,7 @@ class EdgeMiddleware:
         limit = self.limits.max_request_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await self._too_large(receive, send, int(value))
+                await self._too_large(receive, send, int(value), scope["path"])
                 return None
         chunks, size = [], 0
         while True:
@@ -117,23 +126,23 @@ class EdgeMiddleware:
             except asyncio.TimeoutError:
                 await refuse(receive, send, 408, f"no part of the request body arrived for "
                              f"{self.limits.body_timeout_s:g} s (--timeout-request-body)", "request_timeout",
-                             {"Connection": "close"})
+                             {"Connection": "close"}, scope["path"])
                 return None
             if message["type"] != "http.request":
                 return None  # the client left before sending its request: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await self._too_large(receive, send, size)
+                await self._too_large(receive, send, size, scope["path"])
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, receive: Receive, send: Send, size: int) -> None:
+    async def _too_large(self, receive: Receive, send: Send, size: int, path: str) -> None:
         await refuse(receive, send, 413, f"the request body ({size} bytes or more) exceeds the server's "
                      f"limit of {self.limits.max_request_body_bytes} bytes (--max-request-body-bytes)",
-                     "request_too_large", {"Connection": "close"})
+                     "request_too_large", {"Connection": "close"}, path)
 
 
 def _unsupported_media(headers: list[tuple[bytes, bytes]]) -> str | None:

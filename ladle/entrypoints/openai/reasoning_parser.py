@@ -25,6 +25,14 @@ class ReasoningParser:
         """Whether the prompt leaves a thinking block open for the model."""
         return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
 
+    def gate(self, prompt_text: str) -> str:
+        """Where a constrained request starts (ThinkTags.initial): thinking in a block the prompt left open; at
+        the grammar when the prompt ends with a closed block (the template turned thinking off for this turn);
+        else the model's first token may open a block."""
+        if self.starts_thinking(prompt_text):
+            return "thinking"
+        return "enforced" if prompt_text.rstrip().endswith(self.end) else "may_open"
+
     def think_tags(self, tokenizer: Any) -> ThinkTags:
         """The tags as the tokenizer encodes them (one token each in the families' real vocabularies)."""
         ids = [tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (self.start, self.end)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
@@ -14,7 +15,7 @@ from ladle.entrypoints.openai.protocol import (
 )
 from ladle.entrypoints.openai.chat_output import ChoicePiece, ChoiceReader, finish_reason, read_whole
 from ladle.entrypoints.openai.chat_render import chars, chat_prompt, render
-from ladle.entrypoints.openai.chat_tools import ToolPlan, constrain, tool_plan
+from ladle.entrypoints.openai.chat_tools import ToolPlan, constrain, gated, tool_plan
 from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from ladle.frontend.message_marks import LAST_MESSAGES
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
@@ -40,6 +41,14 @@ def chat_template_problem(tokenizer: Any) -> str | None:
     return None
 
 
+@dataclass
+class PreparedChat:
+    stream: GenerationStream | None  # None when only counted
+    plan: ToolPlan
+    thinking: bool  # the prompt left a thinking block open
+    prompt_tokens: int
+
+
 class OpenAIServingChat:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -47,6 +56,16 @@ class OpenAIServingChat:
         self.think = reasoning.think_tags(ctx.tokenizer) if reasoning is not None else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
+        chat = await self.prepare(req, "chatcmpl")
+        stream, plan, thinking = chat.stream, chat.plan, chat.thinking
+        top_n = req.top_logprobs or 0
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await respond(stream, self._stream(stream, top_n, include_usage, plan, thinking),
+                             lambda: self._response(stream, top_n, plan, thinking), bool(req.stream), raw_request)
+
+    async def prepare(self, req: ChatCompletionRequest, id_prefix: str, count_only: bool = False) -> PreparedChat:
+        """Everything a chat request needs before its answer is written (the other APIs that speak chat, the
+        Anthropic Messages API, share it): checked, constrained, rendered and, unless count_only, submitted."""
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         self.ctx.check_choices(1, req.n)
@@ -54,24 +73,25 @@ class OpenAIServingChat:
         plan = tool_plan(req, settings)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         structured, param = structured_outputs_of(req)
-        structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param, self.think)
+        structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param)
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, structured)
         self.ctx.check_stop(params.stop)
         await self.ctx.check_structured(params, param)
-        self.ctx.vocab_size()  # 503 before any work while no engine is ready
+        if not count_only:
+            self.ctx.vocab_size()  # 503 before any work while no engine is ready
         prompt = chat_prompt(req, settings.chat_template)
-        mark = self.ctx.checkpointing()
+        mark = self.ctx.checkpointing() and not count_only
         ids, marks, text = await self.ctx.pool.run(lambda tok: render(tok, prompt, mark),
                                                    chars(prompt) * (1 + mark * LAST_MESSAGES))
+        thinking = settings.reasoning is not None and settings.reasoning.starts_thinking(text)
+        params = gated(params, settings, self.think, text)
+        if count_only:
+            return PreparedChat(None, plan, thinking, len(ids))
         self.ctx.check_prompt_length(len(ids), "messages")
         self.ctx.check_logprobs(params, [len(ids)], "top_logprobs")
-        thinking = settings.reasoning is not None and settings.reasoning.starts_thinking(text)
-        stream = self.ctx.stream(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, marks)
+        stream = self.ctx.stream(f"{id_prefix}-{uuid.uuid4().hex}", [ids], params, marks)
         await stream.start()
-        top_n = req.top_logprobs or 0
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(stream, self._stream(stream, top_n, include_usage, plan, thinking),
-                             lambda: self._response(stream, top_n, plan, thinking), bool(req.stream), raw_request)
+        return PreparedChat(stream, plan, thinking, len(ids))
 
     def _response(self, stream: GenerationStream, top_n: int, plan: ToolPlan, thinking: bool) -> Iterator[bytes]:
         """The whole answer's JSON, once every choice finished; on a thread (see respond)."""

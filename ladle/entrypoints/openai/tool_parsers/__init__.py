@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
 from ladle.entrypoints.openai.tool_parsers.hermes import HermesFormat
+from ladle.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3XmlFormat
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(),)}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Qwen3XmlFormat())}
 
 # config.json's architecture -> (tool-call parser, reasoning parser) its family's chat templates speak.
 ARCHITECTURE_PARSERS: dict[str, tuple[str | None, str | None]] = {

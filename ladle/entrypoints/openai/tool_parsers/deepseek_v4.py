@@ -1,0 +1,170 @@
+"""DeepSeek-V4's tool calls (DSML): one block of invokes, each parameter tagged as raw text or JSON.
+
+    <｜DSML｜tool_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    <｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜tool_calls>
+
+The model writes the block after "\\n\\n" (DeepSeek's encoder puts content + "\\n\\n" + block), so those blank
+lines are framing, not content: the format finds its regions itself (start is "", region_end decides) so that
+the whitespace before a block goes into the block's region and the content before it ends where its text does.
+Arguments are JSON built from whole parameters: "{" once the name is known, each parameter as it closes, "}"
+at </｜DSML｜invoke>. A string="true" value is raw text (JSON-escaped here); a string="false" value is JSON text
+(kept as text when it does not parse, as vLLM does).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix
+from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+
+D = "\uff5cDSML\uff5c"  # the fullwidth bars (U+FF5C) around DSML, as the tokenizer and the template spell them
+BLOCK, BLOCK_END = f"<{D}tool_calls>", f"</{D}tool_calls>"
+INVOKE, INVOKE_END = f'<{D}invoke name="', f"</{D}invoke>"
+PARAM, PARAM_END = f'<{D}parameter name="', f"</{D}parameter>"
+_INVOKE_NAME = re.compile(re.escape(INVOKE) + r'([^"<>\n]*)"')
+_PARAM = re.compile(re.escape(PARAM) + r'([^"<>\n]*)" string="(true|false)">')
+_WS = re.compile(r"\s*")
+_INVOKE_CLOSE = '">\n'  # after the name, in the grammar
+BLOCK_OPENING, BLOCK_CLOSING = f"\n\n{BLOCK}\n", f"\n{BLOCK_END}"  # the block as the model writes it
+STRING_VALUE = r"/[^<]*/"  # the grammar's raw text: it cannot hold "<", which would need lookahead to allow
+
+
+class DeepSeekV4Format(ToolFormat):
+    name = "deepseek_v4"
+    start = ""  # every position may open a region: region_end splits content from blocks (see the docstring)
+
+    def region_end(self, region: str) -> int | None:
+        j = region.find(BLOCK)
+        # Where a block begins or may still begin, with the whitespace before it: content stops there.
+        k = len(region[:j if j >= 0 else len(region) - partial_suffix(region, BLOCK)].rstrip())
+        if k > 0:
+            return k  # content first (a later region holds the block, if one comes)
+        if j < 0:
+            return None  # whitespace, or the block's tag still coming
+        e = region.find(BLOCK_END, j)
+        return None if e < 0 else e + len(BLOCK_END)
+
+    def progress(self, region: str, tools: Tools, final: bool) -> list[CallProgress] | None:
+        text = region.lstrip()
+        if not text.startswith(BLOCK):
+            return None  # content (or, not final, a tag still coming: nothing to say yet)
+        pos, calls = len(BLOCK), []
+        while True:
+            pos = _WS.match(text, pos).end()
+            rest = text[pos:]
+            if rest.startswith(BLOCK_END):
+                break
+            m = _INVOKE_NAME.match(text, pos)
+            if m is None:
+                if _may_become(rest, (INVOKE, BLOCK_END)):
+                    break  # the next tag is still coming
+                return None
+            if not m.group(1) or text[m.end():m.end() + 1] not in (">", ""):
+                return None
+            parsed = _parameters(text, m.end() + 1) if text[m.end():m.end() + 1] == ">" else ([], len(text), False)
+            if parsed is None:
+                return None
+            parts, pos, closed = parsed
+            args = "{" + ", ".join(parts)
+            # An invoke the output ended inside is read as it stands (its whole parameters), like hermes reads
+            # a call whose closing tag never came.
+            calls.append(CallProgress(m.group(1), args + "}" if closed or final else args, closed or final))
+            if not closed:
+                break
+        return None if final and not calls else calls
+
+    def grammar(self, tools: Tools, parallel: bool) -> str:
+        # One rule per tool (named by index: a tool's name need not be a Lark name).
+        rules = [f"call_{i}: {_lit(INVOKE + name + _INVOKE_CLOSE)} {_params_rule(params)}{_lit(INVOKE_END)}"
+                 for i, (name, params) in enumerate(tools.items())]
+        calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+        body = 'call ("\\n" call)*' if parallel else "call"
+        return "\n".join([f"start: {_lit(BLOCK_OPENING)} {body} {_lit(BLOCK_CLOSING)}", f"call: {calls}", *rules])
+
+
+def _parameters(text: str, pos: int) -> tuple[list[str], int, bool] | None:
+    """An invoke's whole parameters from pos as '"key": value' JSON pieces, where reading stopped, and whether
+    </｜DSML｜invoke> closed it; None when the text cannot be an invoke's body."""
+    parts: list[str] = []
+    while True:
+        pos = _WS.match(text, pos).end()
+        rest = text[pos:]
+        if rest.startswith(INVOKE_END):
+            return parts, pos + len(INVOKE_END), True
+        m = _PARAM.match(text, pos)
+        if m is None:
+            if _may_become(rest, (PARAM, INVOKE_END)) or (rest.startswith(PARAM) and ">" not in rest):
+                return parts, len(text), False  # a tag still coming
+            return None
+        e = text.find(PARAM_END, m.end())
+        if e < 0:
+            return parts, len(text), False  # the value is still coming: only whole parameters go out
+        parts.append(f"{json.dumps(m.group(1), ensure_ascii=False)}: {_value(text[m.end():e], m.group(2))}")
+        pos = e + len(PARAM_END)
+
+
+def _value(raw: str, string: str) -> str:
+    """A parameter's value as JSON text: raw text for string="true", JSON for string="false" (its text as a
+    string when it is not JSON, NaN and Infinity included, which JSON has not)."""
+    if string == "false":
+        try:
+            return json.dumps(json.loads(raw, parse_constant=_reject), ensure_ascii=False)
+        except ValueError:
+            pass
+    return json.dumps(raw, ensure_ascii=False)
+
+
+def _reject(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _may_become(rest: str, tags: tuple[str, ...]) -> bool:
+    return any(t.startswith(rest) for t in tags)
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _params_rule(params: dict[str, Any]) -> str:
+    """The parameters of one invoke, in the schema's order: required ones always, the rest optional. String
+    properties are raw text (string="true"), the rest JSON against their own schema (string="false"). A schema
+    without "properties" (a free-form object) takes any parameters; an empty one takes none."""
+    props: dict[str, Any] = (params or {}).get("properties") or {}
+    required = set((params or {}).get("required") or [])
+    items = []
+    for key, sub in props.items():
+        sub = sub if isinstance(sub, dict) else {}
+        item = _param(key, sub)
+        items.append(item if key in required else f"({item})?")
+    if "properties" not in (params or {}) and (params or {}).get("additionalProperties", True) is not False:
+        any_value = (f'("\\" string=\\"true\\">" {STRING_VALUE} | "\\" string=\\"false\\">" '
+                     f'%json {json.dumps(_bounded({}))})')
+        items.append(f'({_lit(PARAM)} /[A-Za-z_][A-Za-z0-9_.-]*/ {any_value} {_lit(PARAM_END + chr(10))})*')
+    return "".join(f"{i} " for i in items)
+
+
+def _param(key: str, sub: dict[str, Any]) -> str:
+    if sub.get("type") == "string":
+        choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+        if choices and all(isinstance(c, str) and "<" not in c for c in choices):
+            value = "(" + " | ".join(_lit(c) for c in choices) + ")"  # the enum itself, not any text
+        else:
+            value = STRING_VALUE
+        opener = _lit(f'{PARAM}{key}" string="true">')
+    else:
+        value = f"%json {json.dumps(_bounded(sub))}"
+        opener = _lit(f'{PARAM}{key}" string="false">')
+    return f"{opener} {value} {_lit(PARAM_END + chr(10))}"
+
+
+def _bounded(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with JSON's whitespace bounded (as hermes bounds it): unbounded runs let a model pad forever."""
+    return {**schema, "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}

@@ -1,0 +1,230 @@
+"""Qwen3.5's and Qwen3-Coder's tool calls (vLLM's `qwen3_coder`): XML-ish tags with raw, unquoted values.
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+Parallel calls are joined by "\\n"; one "\\n" after a parameter's `>` and one before its `</parameter>` are framing.
+Values carry no JSON types, so each is typed with the request's schema of that parameter (vLLM's
+`_convert_param_value` rules). Arguments are streamed one parameter at a time, once it is complete (as vLLM does):
+the JSON text of a value is only known when the value is, and the arguments text must only ever grow.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from typing import Any
+
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix
+from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+
+START, END = "<tool_call>", "</tool_call>"
+FUNC, FUNC_END = "<function=", "</function>"
+PARAM, PARAM_END = "<parameter=", "</parameter>"
+# A name with any of these is a phantom call (prose about the format), not one to run (vLLM rejects the same).
+_BAD_NAME = re.compile(r"""[\s{}<>"']""")
+
+_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+_INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
+_BOOL_TYPES = {"boolean", "bool", "binary"}
+
+
+def param_type(schema: Any) -> str:
+    """The type a parameter's value is read as: its schema's type (the first non-null one of a list or anyOf),
+    "string" when it names none (vLLM's reading: raw text is the safe default)."""
+    if not isinstance(schema, dict):
+        return "string"
+    t = schema.get("type")
+    if isinstance(t, list):
+        t = next((x for x in t if x != "null"), "null")
+    if t is None:
+        for alt in schema.get("anyOf") or schema.get("oneOf") or []:
+            if isinstance(alt, dict) and alt.get("type") not in (None, "null"):
+                return param_type(alt)
+        return "string"
+    return str(t).strip().lower()
+
+
+def _nullable(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    return t == "null" or (isinstance(t, list) and "null" in t) or any(
+        isinstance(a, dict) and a.get("type") == "null" for a in schema.get("anyOf") or schema.get("oneOf") or [])
+
+
+def convert(value: str, schema: Any) -> Any:
+    """A raw value typed by its parameter's schema (None: an unknown parameter). Whatever cannot be read as that
+    type stays the raw string, so a call is never lost to a typing slip."""
+    if schema is None:
+        return value
+    t = param_type(schema)
+    # The Qwen3.5 template renders Python's None as "None", so history and the model both write it.
+    if value.strip().lower() in ("null", "none") and (t not in _STRING_TYPES or _nullable(schema)):
+        return None
+    try:
+        if t in _STRING_TYPES:
+            return value
+        if t.startswith(_INT_PREFIXES):
+            return int(value)
+        if t.startswith(("num", "float")):
+            f = float(value)
+            if not math.isfinite(f):  # NaN and Infinity are not JSON
+                return value
+            return int(f) if f.is_integer() else f
+        if t in _BOOL_TYPES:
+            return value.strip().lower() == "true"
+        if t in ("object", "array", "arr") or t.startswith(("dict", "list")):
+            try:
+                return json.loads(value)
+            except ValueError:
+                pass
+        out = ast.literal_eval(value.strip())  # Python literals: the template writes True, None, {'a': 1}
+        json.dumps(out)  # a set or bytes has no JSON: keep the text
+        return out
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, OverflowError):
+        return value
+
+
+def _unframe(value: str) -> str:
+    """One "\\n" after `>` and one before the closing tag are the format's, not the value's."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+class Qwen3XmlFormat(ToolFormat):
+    name = "qwen3_coder"
+    start = START
+
+    def region_end(self, region: str) -> int | None:
+        i = region.find(END, len(START))
+        return None if i < 0 else i + len(END)
+
+    def progress(self, region: str, tools: Tools, final: bool) -> list[CallProgress] | None:
+        body = region[len(START):]
+        closed = body.endswith(END)
+        body = body[:-len(END)] if closed else body
+        final = final or closed
+        head = body.lstrip()
+        if not head.startswith(FUNC):
+            # Still on its way to `<function=`: wait; anything else is not a call (content once it ends).
+            return [] if not final and FUNC.startswith(head) else None
+        pos = len(body) - len(head) + len(FUNC)
+        gt = body.find(">", pos)
+        if gt < 0:
+            return None if final else []  # the name is not whole: at the end, too little to call anything
+        name = body[pos:gt]
+        if not name or _BAD_NAME.search(name):
+            return None
+        props = (tools.get(name) or {}).get("properties") or {}
+        parts: list[str] = []
+        pos = gt + 1
+        while True:
+            # Between tags only whitespace is expected; stray text is skipped rather than losing the call.
+            p, f = body.find(PARAM, pos), body.find(FUNC_END, pos)
+            if f >= 0 and (p < 0 or f < p):
+                return [CallProgress(name, _args(parts, True), True)]
+            if p < 0:  # no further tag yet: done only if nothing more will come
+                return [CallProgress(name, _args(parts, final), final)]
+            k = body.find(">", p + len(PARAM))
+            if k < 0:
+                return [CallProgress(name, _args(parts, final), final)]  # a key cut off at the end is dropped
+            key = body[p + len(PARAM):k].strip()
+            # A value ends at its `</parameter>`, or (that tag missing) where the next parameter or the function's
+            # end begins. Literal tags inside a value therefore end it early; the grammar keeps '<' out of strings.
+            ends = [i for i in (body.find(PARAM_END, k + 1), body.find(PARAM, k + 1), body.find(FUNC_END, k + 1))
+                    if i >= 0]
+            if not ends:
+                if not final:
+                    return [CallProgress(name, _args(parts, False), False)]
+                raw = body[k + 1:]
+                # A tag cut off at the end is not the value's.
+                raw = raw[:len(raw) - max(partial_suffix(raw, t) for t in (PARAM_END, PARAM, FUNC_END, END))]
+                parts.append(_member(key, _unframe(raw), props))
+                return [CallProgress(name, _args(parts, True), True)]
+            end = min(ends)
+            parts.append(_member(key, _unframe(body[k + 1:end]), props))
+            pos = end + len(PARAM_END) if body.startswith(PARAM_END, end) else end
+
+    def grammar(self, tools: Tools, parallel: bool) -> str:
+        rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
+        terminals: list[str] = []
+        for i, (name, params) in enumerate(tools.items()):
+            params = params or {}
+            required = set(params.get("required") or [])
+            body = [_lit(f"{START}\n{FUNC}{name}>\n")]
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                rule = f"p_{i}_{j}"
+                value = _value(schema, rule.upper(), rules, terminals)
+                rules.append(f"{rule}: {_lit(f'{PARAM}{key}>' + chr(10))} {value}")
+                body.append(rule if key in required else f"{rule}?")
+            body.append(_lit(f"{FUNC_END}\n{END}"))
+            rules.append(f"call_{i}: {' '.join(body)}")
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return "\n".join([start, *rules, *terminals]) + "\n"
+
+
+def _member(key: str, raw: str, props: dict[str, Any]) -> str:
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(convert(raw, props.get(key)), ensure_ascii=False)}"
+
+
+def _args(parts: list[str], done: bool) -> str:
+    return "{" + ", ".join(parts) + ("}" if done else "")
+
+
+def _lit(text: str) -> str:
+    """Text as a Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _value(schema: Any, terminal: str, rules: list[str], terminals: list[str]) -> str:
+    """A parameter's value and its closing tag. Raw text and the closing tag must be one terminal: llguidance
+    lexes greedily, so a separate /[^<]*/ would swallow the framing "\\n" and then fail at '<'."""
+    close = _lit(f"\n{PARAM_END}\n")
+    t, schema = param_type(schema), schema if isinstance(schema, dict) else {}
+    scalar = _json_scalar(t)
+    if t in ("object", "array"):
+        sub = dict(schema)
+    elif scalar is not None:
+        # JSON scalars are raw text already, so JSON's grammar with the schema's bounds is the value's; the
+        # type is pinned to the one the parser reads it as.
+        sub = {k: v for k, v in schema.items() if k in _SCALAR_KEYWORDS}
+        sub["type"] = [scalar, "null"] if _nullable(schema) and scalar != "null" else scalar
+    else:
+        enum = schema.get("enum")
+        if enum and all(isinstance(e, str) and "<" not in e for e in enum):
+            terminals.append(f"{terminal}: ({' | '.join(_lit(e) for e in enum)}) {close}")
+        else:
+            # No '<' in a string: otherwise a value could forge `</parameter>` and end the call early. The
+            # limit this sets: a forced call cannot carry '<' in a string (code with tags, comparisons).
+            terminals.append(f"{terminal}: /[^<]*/ {close}")
+        return terminal
+    sub["x-guidance"] = {"whitespace_pattern": DEFAULT_WHITESPACE}
+    # The template renders values with Jinja's |string, so history (and a model that learned from it) spells
+    # booleans and null the Python way; the parser reads either spelling.
+    alts = (['"true"', '"false"', '"True"', '"False"'] if scalar == "boolean"
+            else [f"%json {json.dumps(sub, ensure_ascii=False)}"])
+    if scalar == "null" or _nullable(schema):
+        alts += ['"null"', '"None"'] if scalar == "boolean" else ['"None"']
+    rules.append(f"{terminal.lower()}_v: {' | '.join(alts)}")
+    return f"{terminal.lower()}_v {close}"
+
+
+_SCALAR_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const")
+
+
+def _json_scalar(t: str) -> str | None:
+    """The JSON type the parser reads a non-string type as (None: it keeps the text, or it is an object/array)."""
+    if t == "null":
+        return "null"
+    if t in _BOOL_TYPES:
+        return "boolean"
+    if t.startswith(_INT_PREFIXES):
+        return "integer"
+    return "number" if t.startswith(("num", "float")) else None
