@@ -24,6 +24,8 @@ from ladle.entrypoints.openai.anthropic_protocol import (
 )
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat
 from ladle.entrypoints.openai.serving_messages import AnthropicServingMessages
+from ladle.entrypoints.openai.serving_responses import OpenAIServingResponses
+from ladle.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from ladle.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from ladle.entrypoints.openai.serving_engine import ServingContext
 
@@ -113,7 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
                               f"{ctx.model_name!r}", code="model_not_found", param="model")
 
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
-    messages = AnthropicServingMessages(chat)
+    messages, responses = AnthropicServingMessages(chat), OpenAIServingResponses(chat)
 
     @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse, keyed))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -136,6 +138,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def count_tokens(request: CountTokensRequest) -> TokenCount:
         check_model(request.model)
         return TokenCount(**await messages.count_tokens(request))
+
+    @app.post("/v1/responses", response_model=None, responses=generation_responses(ResponseObject, keyed))
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        """The OpenAI Responses API, stateless."""
+        check_model(request.model)
+        return await responses.create_response(request, raw_request)
 
     @app.get("/v1/models", responses=error_responses(*((401,) if keyed else ()), 500, 503))
     async def list_models() -> ModelList:
