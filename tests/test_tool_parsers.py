@@ -94,12 +94,17 @@ REASONING = [
     (False, "  <thin", "", "  <thin"),  # a cut-off tag at the end is answer text
     (False, "<thinker> is not a tag", "", "<thinker> is not a tag"),
     (True, "a</thi", "a</thi", ""),
+    (True, "plan\n<tool_call>\n<function=f>\n</function>\n</tool_call>", "plan\n",
+     "<tool_call>\n<function=f>\n</function>\n</tool_call>"),  # Qwen3.5 calls from inside its thinking
+    (True, "a <tool_call> mentioned", "a <tool_call> mentioned", ""),
 ]
 
 
 @pytest.mark.parametrize("opened, text, reasoning, answer", REASONING)
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_reasoning_whole_and_streamed_agree(name, opened, text, reasoning, answer):
+    if name != "qwen3" and "<function=" in text:
+        reasoning, answer = text, ""  # only Qwen's parser reads an XML call as the end of thinking
     for pieces in ([text], list(text)):
         s = PARSERS[name].stream(opened)
         got = [s.feed(p) for p in pieces] + [s.finish()]

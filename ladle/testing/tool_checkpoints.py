@@ -17,6 +17,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
                               "</tool_response>")),
     "qwen3_5": ("qwen35_xml.jinja", ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                                      "</tool_response>")),
+    "deepseek_v4": ("deepseek_v4.jinja", ("<think>", "</think>")),
+    "llama3": ("llama3_json.jinja", ()),
 }
 
 

@@ -65,6 +65,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
                                        len(_field_path(e.get("loc", ())))))
     path = _field_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "this server does not serve this field (it would not be honoured); leave it out"
+        return OpenAIError(400, f"{'.'.join(path)}: {msg}", code="unsupported_parameter",
+                           param=path[0] if path else None)
     if str(first.get("type", "")).endswith("_type"):
         same = [e for e in errors if _field_path(e.get("loc", ())) == path]
         msg = " or ".join(dict.fromkeys(str(e.get("msg")) for e in same))

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI API subset ladle serves (names as in OpenAI's and vLLM's protocol files).
 
 Requests validate strictly (no "5" -> 5, no true -> 1): a wrong type is the client's bug and gets a 400 that
-names the field, rather than a guess. Unknown fields are ignored, as vLLM does, so newer clients still work.
+names the field, rather than a guess. A field ladle does not serve (logit_bias, audio, a newer API's) is a 400
+naming it, never silently dropped; messages sent back as they were received may carry output-only keys.
 Floats must be finite and strings valid UTF-8 (JSON's escapes can spell a lone surrogate, which no tokenizer
 takes): a malformed request never reaches the engine.
 """
@@ -13,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from ladle.entrypoints.openai.protocol_base import (  # noqa: F401 -- the protocol's names, importable from here
-    ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
+    EchoModel, ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
 )
 from ladle.entrypoints.openai.structured_request import GuidedFields, ResponseFormat, StructuredOutputsRequest
 from ladle.entrypoints.openai.tool_protocol import (
@@ -68,12 +69,12 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1)
 
 
-class TextContentPart(OpenAIBaseModel):
+class TextContentPart(EchoModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(EchoModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None

@@ -64,4 +64,11 @@ def clip(text: str, limit: int = 80) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
+    """A request body: a field ladle does not serve is a 400 naming it, never dropped."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class EchoModel(BaseModel):
+    """A message or call a client sends back as it received it: the output-only keys a response carried
+    (refusal, annotations, ...) come along and are not requests, so they are let through."""
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)

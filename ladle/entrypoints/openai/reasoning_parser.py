@@ -20,6 +20,9 @@ class ReasoningParser:
     name: str
     start: str = "<think>"
     end: str = "</think>"
+    # Text that ends thinking without the end tag and begins the answer: Qwen3.5 may open an XML tool call
+    # inside its thinking (vLLM's qwen3 parser reads it the same way).
+    implicit_end: str | None = None
 
     def starts_thinking(self, prompt_text: str) -> bool:
         """Whether the prompt leaves a thinking block open for the model."""
@@ -42,7 +45,8 @@ class ReasoningParser:
         return ReasoningStream(self, thinking)
 
 
-PARSERS = {p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_v4"))}
+PARSERS = {p.name: p for p in (ReasoningParser("qwen3", implicit_end="<tool_call>\n<function="),
+                                ReasoningParser("deepseek_v4"))}
 
 
 class ReasoningStream:
@@ -68,11 +72,16 @@ class ReasoningStream:
                     self.state = "answer"
             elif self.state == "thinking":
                 i = self._held.find(p.end)
-                if i < 0:
-                    keep = partial_suffix(self._held, p.end)
+                j = self._held.find(p.implicit_end) if p.implicit_end else -1
+                if i < 0 and j < 0:
+                    keep = max(partial_suffix(self._held, tag) for tag in (p.end, p.implicit_end or p.end))
                     reasoning += self._thought(self._held[:len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep:]
                     return reasoning, answer
+                if j >= 0 and (i < 0 or j < i):  # the answer begins at the marker, which is its own text
+                    reasoning += self._thought(self._held[:j])
+                    self.state, self._held = "answer", self._held[j:]
+                    continue
                 reasoning += self._thought(self._held[:i])
                 self.state, self._held = "answer_start", self._held[i + len(p.end):]
             elif self.state == "answer_start":  # the blank lines after </think> separate, they are not answer

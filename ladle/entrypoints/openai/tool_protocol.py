@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ladle.entrypoints.openai.protocol_base import OpenAIBaseModel, Text
+from ladle.entrypoints.openai.protocol_base import EchoModel, OpenAIBaseModel, Text
 
 MAX_TOOLS = 256  # functions one request may offer
 
@@ -39,12 +39,12 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCallParam(OpenAIBaseModel):
+class FunctionCallParam(EchoModel):
     name: Text
     arguments: Text  # JSON text of an object, as OpenAI sends it
 
 
-class ToolCallParam(OpenAIBaseModel):
+class ToolCallParam(EchoModel):
     id: Text
     type: Literal["function"] = "function"
     function: FunctionCallParam

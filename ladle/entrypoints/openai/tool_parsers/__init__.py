@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
+from ladle.entrypoints.openai.tool_parsers.deepseek_v4 import DeepSeekV4Format
 from ladle.entrypoints.openai.tool_parsers.hermes import HermesFormat
+from ladle.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonFormat
 from ladle.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3XmlFormat
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Qwen3XmlFormat())}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Qwen3XmlFormat(), DeepSeekV4Format(),
+                                                       Llama3JsonFormat())}
 
 # config.json's architecture -> (tool-call parser, reasoning parser) its family's chat templates speak.
 ARCHITECTURE_PARSERS: dict[str, tuple[str | None, str | None]] = {

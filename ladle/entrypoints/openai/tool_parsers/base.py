@@ -77,6 +77,17 @@ class ToolFormat(ABC):
         ladle.structured_output.manager.llguidance_tokenizer)."""
 
 
+def raw_string(schema: dict[str, Any]) -> str:
+    """A Lark regex for a string parameter written as raw text (the XML and DSML formats): its pattern (anchors
+    dropped) when it has one, else any text within minLength..maxLength. No '<': a value could otherwise forge
+    its own closing tag, so a forced call cannot carry '<' in a string (code with tags, comparisons)."""
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        return "/" + pattern.removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    return f"/[^<]{{{low},{'' if high is None else high}}}/"
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of text that is a proper prefix of tag (text that may still become it)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):

@@ -10,6 +10,8 @@
 The model writes the block after "\\n\\n" (DeepSeek's encoder puts content + "\\n\\n" + block), so those blank
 lines are framing, not content: the format finds its regions itself (start is "", region_end decides) so that
 the whitespace before a block goes into the block's region and the content before it ends where its text does.
+(A start of "\\n\\n" + tag would not do: after </think> the reasoning parser drops those lines, and the block
+comes bare.) Content streams as it comes; only whitespace waits, until something other than a block follows.
 Arguments are JSON built from whole parameters: "{" once the name is known, each parameter as it closes, "}"
 at </｜DSML｜invoke>. A string="true" value is raw text (JSON-escaped here); a string="false" value is JSON text
 (kept as text when it does not parse, as vLLM does).
@@ -20,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix, raw_string
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 
 D = "\uff5cDSML\uff5c"  # the fullwidth bars (U+FF5C) around DSML, as the tokenizer and the template spell them
@@ -31,7 +33,7 @@ _INVOKE_NAME = re.compile(re.escape(INVOKE) + r'([^"<>\n]*)"')
 _PARAM = re.compile(re.escape(PARAM) + r'([^"<>\n]*)" string="(true|false)">')
 _WS = re.compile(r"\s*")
 _INVOKE_CLOSE = '">\n'  # after the name, in the grammar
-BLOCK_OPENING, BLOCK_CLOSING = f"\n\n{BLOCK}\n", f"\n{BLOCK_END}"  # the block as the model writes it
+BLOCK_OPENING = f"\n\n{BLOCK}\n"  # the block's start as the model writes it
 STRING_VALUE = r"/[^<]*/"  # the grammar's raw text: it cannot hold "<", which would need lookahead to allow
 
 
@@ -54,7 +56,8 @@ class DeepSeekV4Format(ToolFormat):
         text = region.lstrip()
         if not text.startswith(BLOCK):
             return None  # content (or, not final, a tag still coming: nothing to say yet)
-        pos, calls = len(BLOCK), []
+        pos = len(BLOCK)
+        calls: list[CallProgress] = []
         while True:
             pos = _WS.match(text, pos).end()
             rest = text[pos:]
@@ -62,12 +65,13 @@ class DeepSeekV4Format(ToolFormat):
                 break
             m = _INVOKE_NAME.match(text, pos)
             if m is None:
-                if _may_become(rest, (INVOKE, BLOCK_END)):
-                    break  # the next tag is still coming
+                if _coming(rest, INVOKE, '"') or BLOCK_END.startswith(rest):
+                    break  # the next tag (or the name in it) is still coming
                 return None
-            if not m.group(1) or text[m.end():m.end() + 1] not in (">", ""):
+            after = text[m.end():m.end() + 1]  # the invoke tag's ">"
+            if not m.group(1) or after not in (">", ""):
                 return None
-            parsed = _parameters(text, m.end() + 1) if text[m.end():m.end() + 1] == ">" else ([], len(text), False)
+            parsed = _parameters(text, m.end() + 1) if after else ([], len(text), False)
             if parsed is None:
                 return None
             parts, pos, closed = parsed
@@ -85,7 +89,9 @@ class DeepSeekV4Format(ToolFormat):
                  for i, (name, params) in enumerate(tools.items())]
         calls = " | ".join(f"call_{i}" for i in range(len(tools)))
         body = 'call ("\\n" call)*' if parallel else "call"
-        return "\n".join([f"start: {_lit(BLOCK_OPENING)} {body} {_lit(BLOCK_CLOSING)}", f"call: {calls}", *rules])
+        # "\n" apart from the closing tag: as one literal it would begin like the "\n" before another invoke, and
+        # llguidance's lexer, taking the longer, would not come back from "\n<" when an invoke follows.
+        return "\n".join([f'start: {_lit(BLOCK_OPENING)} {body} "\\n" {_lit(BLOCK_END)}', f"call: {calls}", *rules])
 
 
 def _parameters(text: str, pos: int) -> tuple[list[str], int, bool] | None:
@@ -99,7 +105,7 @@ def _parameters(text: str, pos: int) -> tuple[list[str], int, bool] | None:
             return parts, pos + len(INVOKE_END), True
         m = _PARAM.match(text, pos)
         if m is None:
-            if _may_become(rest, (PARAM, INVOKE_END)) or (rest.startswith(PARAM) and ">" not in rest):
+            if _coming(rest, PARAM, ">") or INVOKE_END.startswith(rest):
                 return parts, len(text), False  # a tag still coming
             return None
         e = text.find(PARAM_END, m.end())
@@ -124,8 +130,9 @@ def _reject(name: str) -> Any:
     raise ValueError(name)
 
 
-def _may_become(rest: str, tags: tuple[str, ...]) -> bool:
-    return any(t.startswith(rest) for t in tags)
+def _coming(rest: str, opener: str, close: str) -> bool:
+    """Whether rest may still become a tag that begins with opener and whose attributes end at close."""
+    return opener.startswith(rest) or (rest.startswith(opener) and close not in rest[len(opener):])
 
 
 def _lit(text: str) -> str:
@@ -157,7 +164,7 @@ def _param(key: str, sub: dict[str, Any]) -> str:
         if choices and all(isinstance(c, str) and "<" not in c for c in choices):
             value = "(" + " | ".join(_lit(c) for c in choices) + ")"  # the enum itself, not any text
         else:
-            value = STRING_VALUE
+            value = raw_string(sub)
         opener = _lit(f'{PARAM}{key}" string="true">')
     else:
         value = f"%json {json.dumps(_bounded(sub))}"

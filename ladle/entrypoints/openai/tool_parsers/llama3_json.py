@@ -61,9 +61,13 @@ class Llama3JsonFormat(ToolFormat):
             return None if final or pos is not None else []
         calls: list[CallProgress] = []
         while True:
-            e = object_end(region, pos)
+            head = _HEAD.match(region, pos)
+            args = head.end() if head is not None and region[head.end():head.end() + 1] == "{" else None
+            args_end = object_end(region, args) if args is not None else None
+            # While its arguments are open the call is too: one scan of them per delta, not two.
+            e = object_end(region, pos) if args is None or args_end is not None else None
             if e is None:  # the last call, still being written (or cut off: then read as it stands)
-                call = _partial(region[pos:], final)
+                call = _partial(region, head, args, args_end, final)
                 calls += [call] if call is not None else []
                 break
             read = _read(region[pos:e])
@@ -122,22 +126,21 @@ def _read(obj: str) -> tuple[str, str] | None:
     return call["name"], raw if raw is not None and _same(raw, args) else json.dumps(args, ensure_ascii=False)
 
 
-def _partial(obj: str, final: bool) -> CallProgress | None:
-    """The call an unclosed object has begun: its name once its arguments' object opens, and their text so far.
-    At the output's end, a call whose arguments closed (only the outer brace missing) is read whole."""
-    m = _HEAD.match(obj)
-    if m is None or obj[m.end():m.end() + 1] != "{":
+def _partial(region: str, head: re.Match[str] | None, args: int | None, args_end: int | None,
+             final: bool) -> CallProgress | None:
+    """The call an unclosed object has begun: its name once its arguments' object opens (at args), and their
+    text so far. At the output's end, a call whose arguments closed (only the outer brace missing) is whole."""
+    if head is None or args is None:
         return None
     try:
-        name = json.loads(f'"{m.group(1)}"')
+        name = json.loads(f'"{head.group(1)}"')
     except ValueError:
         return None
-    end = object_end(obj, m.end())
     if not final:
-        return CallProgress(name, obj[m.end():end], False)
-    if end is None or not isinstance(_loads(obj[m.end():end]), dict):
+        return CallProgress(name, region[args:args_end], False)
+    if args_end is None or not isinstance(_loads(region[args:args_end]), dict):
         return None
-    return CallProgress(name, obj[m.end():end], True)
+    return CallProgress(name, region[args:args_end], True)
 
 
 def _loads(text: str) -> object:

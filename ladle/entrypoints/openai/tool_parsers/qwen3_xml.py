@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix, raw_string
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 
 START, END = "<tool_call>", "</tool_call>"
@@ -201,9 +201,7 @@ def _value(schema: Any, terminal: str, rules: list[str], terminals: list[str]) -
         if enum and all(isinstance(e, str) and "<" not in e for e in enum):
             terminals.append(f"{terminal}: ({' | '.join(_lit(e) for e in enum)}) {close}")
         else:
-            # No '<' in a string: otherwise a value could forge `</parameter>` and end the call early. The
-            # limit this sets: a forced call cannot carry '<' in a string (code with tags, comparisons).
-            terminals.append(f"{terminal}: /[^<]*/ {close}")
+            terminals.append(f"{terminal}: {raw_string(schema)} {close}")
         return terminal
     sub["x-guidance"] = {"whitespace_pattern": DEFAULT_WHITESPACE}
     # The template renders values with Jinja's |string, so history (and a model that learned from it) spells
