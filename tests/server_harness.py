@@ -203,3 +203,14 @@ def metric(text: str, name: str, **labels: str) -> float:
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def openai_client(server: ServerProcess) -> Any:
+    """The official openai client on a test server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key or "none", max_retries=0)
+
+
+def served_model(client: Any) -> str:
+    return client.models.list().data[0].id

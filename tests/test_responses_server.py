@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
-from server_harness import ServerProcess, assert_error_envelope
+from server_harness import ServerProcess, assert_error_envelope, openai_client, served_model
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -32,11 +31,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def model(client) -> str:
-    return client.models.list().data[0].id
+model = served_model
 
 
 def test_text_in_text_out_and_max_output_tokens_is_incomplete(client):

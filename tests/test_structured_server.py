@@ -7,10 +7,9 @@ import json
 import re
 
 import jsonschema
-import openai
 import pytest
 
-from server_harness import ServerProcess, assert_error_envelope
+from server_harness import ServerProcess, assert_error_envelope, openai_client, served_model
 from structured_corpus import SCHEMAS
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -28,11 +27,10 @@ def server(tiny_qwen3_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def model(client) -> str:
-    return client.models.list().data[0].id
+model = served_model
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -12,6 +12,7 @@ import llguidance
 import llguidance.hf as llguidance_hf
 import pytest
 
+from tool_format_checks import assert_whole_and_streamed_agree
 from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
 from ladle.entrypoints.openai.tool_parsers.deepseek_v4 import BLOCK, BLOCK_END, D, DeepSeekV4Format
 
@@ -68,31 +69,9 @@ OUTPUTS = [
 ]
 
 
-def streamed(fmt, text: str, tools=TOOLS):
-    stream = ToolStream(fmt, tools)
-    content, args, names, order = "", {}, {}, []
-    for piece in [*text, None]:
-        d = stream.feed(piece) if piece is not None else stream.finish()
-        content += d.content
-        for t in d.tool_calls:
-            if t.name is not None:
-                assert t.index not in names and t.id  # a call's name comes once, with its id, before its arguments
-                names[t.index] = t.name
-                order.append(t.index)
-            assert t.index in names
-            args[t.index] = args.get(t.index, "") + t.arguments
-    return content, [(names[i], args.get(i, "")) for i in order], stream.calls
-
-
 @pytest.mark.parametrize("text, content, calls", OUTPUTS)
 def test_whole_and_streamed_agree(text, content, calls):
-    got_content, got_calls = parse_whole(FMT, text, TOOLS)
-    assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    s_content, s_calls, stream_calls = streamed(FMT, text)
-    assert s_content == content
-    assert [(n, json.loads(a)) for n, a in s_calls] == calls
-    assert [c.arguments for c in stream_calls] == [c.arguments for c in got_calls]
+    assert_whole_and_streamed_agree(FMT, text, content, calls, TOOLS)
 
 
 @pytest.mark.parametrize("text", [t for t, _, calls in OUTPUTS if calls])

@@ -3,15 +3,14 @@ stream deltas, they give the same content, thinking and calls; names come before
 malformed calls stay content; the forced-call grammars validate."""
 from __future__ import annotations
 
-import json
-
 import llguidance
 import llguidance.hf as llguidance_hf
 import pytest
 
+from tool_format_checks import assert_whole_and_streamed_agree
 from ladle.entrypoints.openai.reasoning_parser import PARSERS
 from ladle.entrypoints.openai.tool_parsers import FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
+from ladle.entrypoints.openai.tool_parsers.base import ToolStream
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]},
@@ -36,32 +35,9 @@ HERMES = [
 ]
 
 
-def streamed(fmt, text: str, tools=TOOLS):
-    stream = ToolStream(fmt, tools)
-    content, args, names, order = "", {}, {}, []
-    for piece in [*text, None]:
-        d = stream.feed(piece) if piece is not None else stream.finish()
-        content += d.content
-        for t in d.tool_calls:
-            if t.name is not None:
-                assert t.index not in names and t.id  # a call's name comes once, with its id, before its arguments
-                names[t.index] = t.name
-                order.append(t.index)
-            assert t.index in names
-            args[t.index] = args.get(t.index, "") + t.arguments
-    return content, [(names[i], args.get(i, "")) for i in order], stream.calls
-
-
 @pytest.mark.parametrize("text, content, calls", HERMES)
 def test_hermes_whole_and_streamed_agree(text, content, calls):
-    fmt = FORMATS["hermes"]
-    got_content, got_calls = parse_whole(fmt, text, TOOLS)
-    assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    s_content, s_calls, stream_calls = streamed(fmt, text)
-    assert s_content == content
-    assert [(n, json.loads(a)) for n, a in s_calls] == calls
-    assert [c.arguments for c in stream_calls] == [c.arguments for c in got_calls]
+    assert_whole_and_streamed_agree(FORMATS["hermes"], text, content, calls, TOOLS)
 
 
 def test_hermes_streams_arguments_in_pieces_as_they_come():

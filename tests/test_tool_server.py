@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
-from server_harness import ServerProcess, assert_error_envelope
+from server_harness import ServerProcess, assert_error_envelope, openai_client, served_model
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -37,11 +36,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def model(client) -> str:
-    return client.models.list().data[0].id
+model = served_model
 
 
 def valid(calls) -> None:
@@ -147,3 +145,20 @@ def test_malformed_tool_requests_are_400s_naming_the_field(server):
         body = {"messages": ASK, "max_tokens": 4, **extra}
         err = assert_error_envelope(server.post("/v1/chat/completions", body), 400, param=param)
         assert words is None or words in err["message"], err
+
+
+def test_the_readme_agent_loop_runs_its_tools_and_sends_the_results_back(client):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from agent_loop import FUNCTIONS, run_agent
+
+    messages = run_agent(client, model(client), "What is the weather in Paris and the time in Tokyo?",
+                         first_choice="required")
+    calls = messages[1]["tool_calls"]
+    results = messages[2:2 + len(calls)]
+    assert calls and all(r["role"] == "tool" and r["tool_call_id"] == c["id"] for r, c in zip(results, calls))
+    assert [r["content"] for r in results] == [FUNCTIONS[c["function"]["name"]](**json.loads(
+        c["function"]["arguments"])) for c in calls]
+    assert messages[-1]["role"] in ("assistant", "tool")
