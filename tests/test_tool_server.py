@@ -66,6 +66,22 @@ def test_forced_calls_validate_against_their_schemas(client, choice):
             assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
 
 
+def test_metrics_count_apis_constrained_requests_and_calls(server, client):
+    import re
+
+    def value(text: str, name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    before = server.metrics()
+    r = client.chat.completions.create(model=model(client), messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=300, temperature=0)
+    after = server.metrics()
+    calls = len(r.choices[0].message.tool_calls)
+    assert value(after, "ladle:tool_calls_total") - value(before, "ladle:tool_calls_total") == calls
+    assert value(after, "ladle:structured_output_requests_total") > value(before, "ladle:structured_output_requests_total")
+    assert 'ladle:api_requests_total{api="chat_completions"' in after
+
+
 def test_parallel_tool_calls_false_makes_one_call(client):
     r = client.chat.completions.create(model=model(client), messages=ASK, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=4, n=4)

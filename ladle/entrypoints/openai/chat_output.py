@@ -3,6 +3,7 @@ by the server's reasoning and tool-call parsers. A whole answer is the same read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.chat_tools import ToolPlan
@@ -21,8 +22,11 @@ class ChoicePiece:
 
 
 class ChoiceReader:
-    def __init__(self, settings: ChatSettings, plan: ToolPlan, thinking: bool) -> None:
-        """thinking: the prompt left a thinking block open (ReasoningParser.starts_thinking)."""
+    def __init__(self, settings: ChatSettings, plan: ToolPlan, thinking: bool,
+                 on_calls: Callable[[int], None] | None = None) -> None:
+        """thinking: the prompt left a thinking block open (ReasoningParser.starts_thinking); on_calls: told how
+        many calls the choice made, when it ends (the server's /metrics)."""
+        self.on_calls = on_calls
         self._reasoning: ReasoningStream | None = (settings.reasoning.stream(thinking) if settings.reasoning
                                                    else None)
         self._tools = (ToolStream(settings.tool_format, plan.tools) if plan.parse and settings.tool_format
@@ -37,7 +41,10 @@ class ChoiceReader:
         return self._answer(*(self._reasoning.feed(text) if self._reasoning else ("", text)), final=False)
 
     def finish(self) -> ChoicePiece:
-        return self._answer(*(self._reasoning.finish() if self._reasoning else ("", "")), final=True)
+        piece = self._answer(*(self._reasoning.finish() if self._reasoning else ("", "")), final=True)
+        if self.on_calls is not None:
+            self.on_calls(len(self.calls))
+        return piece
 
     def _answer(self, reasoning: str, answer: str, final: bool) -> ChoicePiece:
         self.reasoning_seen = self.reasoning_seen or bool(reasoning)
@@ -49,8 +56,9 @@ class ChoiceReader:
         return ChoicePiece(reasoning, d.content, d.tool_calls)
 
 
-def read_whole(settings: ChatSettings, plan: ToolPlan, thinking: bool, text: str) -> tuple[ChoicePiece, list[ToolCall]]:
-    reader = ChoiceReader(settings, plan, thinking)
+def read_whole(settings: ChatSettings, plan: ToolPlan, thinking: bool, text: str,
+               on_calls: Callable[[int], None] | None = None) -> tuple[ChoicePiece, list[ToolCall]]:
+    reader = ChoiceReader(settings, plan, thinking, on_calls)
     piece = reader.feed(text)
     rest = reader.finish()
     return ChoicePiece(piece.reasoning + rest.reasoning, piece.content + rest.content,

@@ -63,6 +63,11 @@ class ServerMetrics:
         self.counters = {field: counter(name, doc) for field, (name, doc) in _COUNTERS.items()}
         self.request_success = Counter("ladle:request_success", "Finished choices by finish reason.",
                                        labelnames=[*labels, "finished_reason"], registry=r)
+        self.api_requests = Counter("ladle:api_requests", "Requests accepted, by API (chat_completions, "
+                                    "completions, messages, responses).", labelnames=[*labels, "api"], registry=r)
+        self.structured_requests = counter("structured_output_requests", "Requests under a structured-output "
+                                           "constraint: a schema, regex, choice or grammar, or a forced tool call.")
+        self.tool_calls = counter("tool_calls", "Tool calls read from replies by the tool-call parser.")
         self.model_name = model_name
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first token.",
                                              _LATENCY_BUCKETS)
@@ -94,6 +99,11 @@ class ServerMetrics:
         if increase > 0:
             self.engine_restarts.inc(increase)
         self._restarts_seen = num_restarts
+
+    def accepted(self, api: str, constrained: bool) -> None:
+        self.api_requests.labels(model_name=self.model_name, api=api).inc()
+        if constrained:
+            self.structured_requests.inc()
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ladle.entrypoints.openai.protocol_base import OpenAIBaseModel, Text
+from ladle.entrypoints.openai.tool_protocol import FunctionDefinition
 
 
 class _Request(OpenAIBaseModel):
@@ -76,12 +77,9 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       Discriminator(_kind)]
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """The API's tools are flat: the chat function's fields beside the type."""
     type: Literal["function"]
-    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted either way: a forced call always follows the whole schema
 
 
 class NamedFunction(_Request):

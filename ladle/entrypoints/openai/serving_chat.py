@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 from jinja2 import TemplateSyntaxError
+from pydantic import ValidationError
 
 from ladle.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
@@ -39,6 +40,20 @@ def chat_template_problem(tokenizer: Any) -> str | None:
         except TemplateSyntaxError as e:
             return str(e)
     return None
+
+
+_APIS = {"chatcmpl": "chat_completions", "msg": "messages", "resp": "responses"}  # by response-id prefix
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request was read into, checked as a chat request is (a 400 names the
+    field that fails)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise OpenAIError(400, f"{where}: {first.get('msg')}", param=where.split(".")[0] or None) from None
 
 
 @dataclass
@@ -91,6 +106,7 @@ class OpenAIServingChat:
         self.ctx.check_logprobs(params, [len(ids)], "top_logprobs")
         stream = self.ctx.stream(f"{id_prefix}-{uuid.uuid4().hex}", [ids], params, marks)
         await stream.start()
+        self.ctx.accepted(_APIS[id_prefix], params)
         return PreparedChat(stream, plan, thinking, len(ids))
 
     def _response(self, stream: GenerationStream, top_n: int, plan: ToolPlan, thinking: bool) -> Iterator[bytes]:
@@ -98,7 +114,8 @@ class OpenAIServingChat:
         want_logprobs = stream.params.logprobs is not None
 
         def choice(c: Any) -> ChatCompletionResponseChoice:
-            piece, calls = read_whole(self.ctx.chat, plan, thinking, c.detok.output_text)
+            piece, calls = read_whole(self.ctx.chat, plan, thinking, c.detok.output_text,
+                                  self.ctx.count_tool_calls)
             content = None if calls and not piece.content.strip() else piece.content
             message = ChatResponseMessage(content=content, reasoning_content=piece.reasoning or None, tool_calls=[
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
@@ -117,7 +134,8 @@ class OpenAIServingChat:
     async def _stream(self, stream: GenerationStream, top_n: int, include_usage: bool, plan: ToolPlan,
                       thinking: bool) -> AsyncIterator[str]:
         want_logprobs = stream.params.logprobs is not None
-        readers = {c.index: ChoiceReader(self.ctx.chat, plan, thinking) for c in stream.choices}
+        readers = {c.index: ChoiceReader(self.ctx.chat, plan, thinking, self.ctx.count_tool_calls)
+                   for c in stream.choices}
         try:
             for c in stream.choices:  # OpenAI opens every choice with the role
                 yield self._chunk(stream, ChatCompletionResponseStreamChoice(

@@ -79,6 +79,7 @@ class OpenAIServingCompletion:
         self.ctx.check_logprobs(params, [len(p) for p in ids], "logprobs")
         stream = self.ctx.stream(f"cmpl-{uuid.uuid4().hex}", ids, params)
         await stream.start()
+        self.ctx.accepted("completions", params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(stream, self._stream(stream, echo, include_usage), lambda: self._response(stream, echo),
                              bool(req.stream), raw_request)

@@ -54,6 +54,16 @@ class ServingContext:
         return GenerationStream(self.client, self.tokenizer, self.texts, self.metrics, request_id, prompts, params,
                                 checkpoint_marks)
 
+    def accepted(self, api: str, params: SamplingParams) -> None:
+        """A request the engine took, for /metrics (by API; constrained ones counted too)."""
+        if self.metrics is not None:
+            self.metrics.accepted(api, params.structured_outputs is not None)
+
+    def count_tool_calls(self, n: int) -> None:
+        """A reply's calls, for /metrics (ladle:tool_calls_total)."""
+        if n and self.metrics is not None:
+            self.metrics.tool_calls.inc(n)
+
     def checkpointing(self) -> bool:
         """Whether the engine keeps state checkpoints, so marking where messages end pays."""
         info = self.client.info

@@ -8,7 +8,6 @@ import json
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
-from pydantic import ValidationError
 
 from ladle.entrypoints.openai.anthropic_protocol import (
     AnthropicMessage, CountTokensRequest, ImageBlock, MessagesRequest, RedactedThinkingBlock, TextBlock,
@@ -17,7 +16,7 @@ from ladle.entrypoints.openai.anthropic_protocol import (
 from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
 from ladle.entrypoints.openai.messages_stream import BlockWriter, event, stop_reason
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
-from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
+from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import respond
 
 
@@ -42,7 +41,8 @@ class AnthropicServingMessages:
         stream = p.stream
         assert stream is not None
         c = stream.choices[0]
-        piece, calls = read_whole(self.ctx.chat, p.plan, p.thinking, c.detok.output_text)
+        piece, calls = read_whole(self.ctx.chat, p.plan, p.thinking, c.detok.output_text,
+                                  self.ctx.count_tool_calls)
         content: list[dict[str, Any]] = []
         if piece.reasoning:
             content.append({"type": "thinking", "thinking": piece.reasoning, "signature": "ladle"})
@@ -65,7 +65,8 @@ class AnthropicServingMessages:
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": p.prompt_tokens, "output_tokens": 0}}})
         yield event("ping", {})
-        reader, blocks = ChoiceReader(self.ctx.chat, p.plan, p.thinking), BlockWriter(tool_use_id)
+        reader = ChoiceReader(self.ctx.chat, p.plan, p.thinking, self.ctx.count_tool_calls)
+        blocks = BlockWriter(tool_use_id)
         try:
             async for deltas in stream.deltas():
                 for d in deltas:
@@ -117,12 +118,7 @@ def to_chat(req: CountTokensRequest, max_tokens: int | None, stream: bool) -> Ch
                 body[name] = getattr(req, name)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise OpenAIError(400, f"{where}: {first.get('msg')}", param=where.split(".")[0] or None) from None
+    return chat_request(body)
 
 
 def _messages(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:

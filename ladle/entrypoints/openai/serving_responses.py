@@ -9,7 +9,6 @@ import time
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
-from pydantic import ValidationError
 
 from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
@@ -18,7 +17,7 @@ from ladle.entrypoints.openai.responses_protocol import (
     TextPart,
 )
 from ladle.entrypoints.openai.responses_stream import ResponsesWriter, call_item, message_item, reasoning_item
-from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
+from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import respond, sse_error
 
 
@@ -72,7 +71,8 @@ class OpenAIServingResponses:
     def _whole(self, req: ResponsesRequest, p: PreparedChat, created: int) -> Iterator[bytes]:
         assert p.stream is not None
         c = p.stream.choices[0]
-        piece, calls = read_whole(self.ctx.chat, p.plan, p.thinking, c.detok.output_text)
+        piece, calls = read_whole(self.ctx.chat, p.plan, p.thinking, c.detok.output_text,
+                                  self.ctx.count_tool_calls)
         status = "incomplete" if c.finish_reason == "length" else "completed"
         output = [reasoning_item(piece.reasoning)] if piece.reasoning else []
         if piece.content and not (calls and not piece.content.strip()):
@@ -87,7 +87,8 @@ class OpenAIServingResponses:
         stream = p.stream
         assert stream is not None
         writer = ResponsesWriter(lambda status, output, usage: self._response(req, p, created, status, output, usage))
-        reader, thought = ChoiceReader(self.ctx.chat, p.plan, p.thinking), []
+        reader = ChoiceReader(self.ctx.chat, p.plan, p.thinking, self.ctx.count_tool_calls)
+        thought: list[str] = []
         for out in writer.start():
             yield out
         try:
@@ -161,12 +162,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             "type": "json_schema", "json_schema": {k: v for k, v in (("name", fmt.name or "response"),
                                                                      ("schema", fmt.schema_), ("strict", fmt.strict))
                                                    if v is not None}})
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise OpenAIError(400, f"{where}: {first.get('msg')}", param=where.split(".")[0] or None) from None
+    return chat_request(body)
 
 
 def _text(content: str | list[Part], i: int) -> str:

@@ -77,6 +77,22 @@ class ToolFormat(ABC):
         ladle.structured_output.manager.llguidance_tokenizer)."""
 
 
+class TaggedFormat(ToolFormat):
+    """A format whose every call is one region between an opening and a closing tag (Qwen's <tool_call>)."""
+
+    end: str  # the closing tag
+
+    def region_end(self, region: str) -> int | None:
+        i = region.find(self.end, len(self.start))
+        return None if i < 0 else i + len(self.end)
+
+    def body(self, region: str) -> tuple[str, bool]:
+        """The region between its tags, and whether the closing tag came."""
+        body = region[len(self.start):]
+        closed = body.endswith(self.end)
+        return (body[:-len(self.end)] if closed else body), closed
+
+
 def raw_string(schema: dict[str, Any]) -> str:
     """A Lark regex for a string parameter written as raw text (the XML and DSML formats): its pattern (anchors
     dropped) when it has one, else any text within minLength..maxLength. No '<': a value could otherwise forge

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools
+from ladle.entrypoints.openai.tool_parsers.base import CallProgress, TaggedFormat, Tools
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 
 START, END = "<tool_call>", "</tool_call>"
@@ -44,18 +44,12 @@ def object_end(text: str, start: int) -> int | None:
     return None
 
 
-class HermesFormat(ToolFormat):
+class HermesFormat(TaggedFormat):
     name = "hermes"
-    start = START
-
-    def region_end(self, region: str) -> int | None:
-        i = region.find(END, len(START))
-        return None if i < 0 else i + len(END)
+    start, end = START, END
 
     def progress(self, region: str, tools: Tools, final: bool) -> list[CallProgress] | None:
-        body = region[len(START):]
-        closed = body.endswith(END)
-        body = body[:-len(END)] if closed else body
+        body, closed = self.body(region)
         if closed or final:  # whole: the object must parse
             try:
                 call = json.loads(body)

@@ -21,7 +21,9 @@ import math
 import re
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix, raw_string
+from ladle.entrypoints.openai.tool_parsers.base import (
+    CallProgress, TaggedFormat, Tools, partial_suffix, raw_string,
+)
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 
 START, END = "<tool_call>", "</tool_call>"
@@ -98,18 +100,12 @@ def _unframe(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-class Qwen3XmlFormat(ToolFormat):
+class Qwen3XmlFormat(TaggedFormat):
     name = "qwen3_coder"
-    start = START
-
-    def region_end(self, region: str) -> int | None:
-        i = region.find(END, len(START))
-        return None if i < 0 else i + len(END)
+    start, end = START, END
 
     def progress(self, region: str, tools: Tools, final: bool) -> list[CallProgress] | None:
-        body = region[len(START):]
-        closed = body.endswith(END)
-        body = body[:-len(END)] if closed else body
+        body, closed = self.body(region)
         final = final or closed
         head = body.lstrip()
         if not head.startswith(FUNC):
