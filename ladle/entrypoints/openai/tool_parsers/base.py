@@ -120,9 +120,11 @@ class ToolStream:
         self.calls: list[ToolCall] = []  # every call begun (name known), in order
         self._pending = ""  # text not yet settled: a possible region start, or whitespace after calls
         self._region: str | None = None
+        self._read_at = 0  # the region's length when it was last read
         self._sent: list[tuple[int, int]] = []  # per call of the current region: (call index, arguments sent)
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, force: bool = False) -> ParsedDelta:
+        """force: read the region now even if it grew little since its last read (the output's end)."""
         out = ParsedDelta()
         self._pending += text
         while True:
@@ -134,10 +136,17 @@ class ToolStream:
                     self._pending = self._pending[len(self._pending) - keep:]
                     return out
                 out.content += self._settle(self._pending[:i])
-                self._region, self._pending, self._sent = self._pending[i:], "", []
+                self._region, self._pending, self._sent, self._read_at = self._pending[i:], "", [], 0
             else:
                 self._region += self._pending
                 self._pending = ""
+                # Inside a call, its region is read again once it grew by a sixteenth: every read scans it
+                # whole, so reading it on every delta would cost the square of a long call's arguments (a file
+                # the agent writes), this a bounded multiple of their length; a short call is still read on
+                # every delta, and until a call has begun every delta is read.
+                if not force and self._sent and len(self._region) - self._read_at < len(self._region) // 16:
+                    return out
+            self._read_at = len(self._region)
             end = self.fmt.region_end(self._region)
             region = self._region if end is None else self._region[:end]
             out += self._advance(region, final=end is not None)
@@ -147,7 +156,7 @@ class ToolStream:
 
     def finish(self) -> ParsedDelta:
         """The output ended: settle what was held back (a region never closed is read as it stands)."""
-        out = ParsedDelta()
+        out = self.feed("", force=True)
         if self._region is not None:
             out += self._advance(self._region, final=True)
             self._region = None

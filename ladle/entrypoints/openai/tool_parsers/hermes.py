@@ -20,27 +20,23 @@ _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
+# A whole JSON string, or a bracket, or a quote whose string has not closed: strings are skipped in one match.
+_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]"]')  # unrolled: no backtracking per character
+
+
 def object_end(text: str, start: int) -> int | None:
     """Where the JSON value at text[start] (an object or array) ends: the index past its closing bracket, or None
-    while it is open. Brackets inside strings do not count."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
+    while it is open. Brackets inside strings do not count. The scan runs in the regex engine (a whole string is
+    one match), since streaming calls it on every delta of arguments that may hold a whole file."""
+    depth = 0
+    for m in _TOKENS.finditer(text, start):
+        token = m.group()
+        if token == '"':
+            return None  # a string still open: so is the value
+        if token[0] != '"':
+            depth += 1 if token in "{[" else -1
             if depth == 0:
-                return i + 1
+                return m.end()
     return None
 
 
