@@ -117,7 +117,11 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Render each conversation with the chat template (tools and chat_template_kwargs, e.g.
+        enable_thinking, go to it, as in vLLM's LLM.chat) and generate; the replies are the model's raw text."""
         if not messages:
             raise ValueError("messages is empty; give at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -127,7 +131,7 @@ class LLM:
 
         def render(conv: Sequence[dict], generation_prompt: bool) -> tuple[str, list[int]]:
             text = tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             return text, tok.encode(text, add_special_tokens=False)
 
         for conv in conversations:
