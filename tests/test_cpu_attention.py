@@ -107,3 +107,30 @@ def test_backend_choice(tmp_path, monkeypatch) -> None:
     assert name == "torch" and "no-such-cc" in why
     with pytest.raises(ValueError, match="attention_backend='torch'"):
         resolve_backend(cpu, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1500])
+def test_long_decodes_split_over_threads_match_the_reference(backend: CpuAttention, dtype: torch.dtype,
+                                                             window: int | None) -> None:
+    """Contexts past 1,024 tokens are attended in splits (work items of their own, merged through their maxima),
+    so one long request's decode uses every thread; a split ends mid-block, one context is a whole multiple."""
+    contexts = [1025, 3000, 2048, 40]
+    step = make_step([1] * len(contexts), contexts, 8, 2, 64, dtype, window, seed=5)
+    want = torch_ref.paged_attention(*step, scale=0.125)
+    got = backend(*step, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_a_decode_gives_the_same_bits_in_any_batch(backend: CpuAttention) -> None:
+    """The split of a request's context depends on it alone: beside other requests, or alone, the same bits."""
+    step = make_step([1, 1, 1], [3000, 700, 2100], 8, 4, 64, torch.float32, None, seed=6)
+    together = backend(*step, 0.125)
+    q, k, v, k_cache, v_cache, attn = step
+    for i in range(3):
+        alone = AttentionMetadata(
+            slot_mapping=attn.slot_mapping[i:i + 1], cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            context_lens=attn.context_lens[i:i + 1], block_tables=attn.block_tables[i:i + 1], query_lens=(1,),
+            context_lens_host=attn.context_lens_host[i:i + 1], block_size=BLOCK, sliding_window=None)
+        assert torch.equal(backend(q[i:i + 1], k[i:i + 1], v[i:i + 1], k_cache, v_cache, alone, 0.125), together[i:i + 1])
