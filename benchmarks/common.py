@@ -32,6 +32,9 @@ MODELS: dict[str, dict[str, Any]] = {
     # About 100M parameters: the vLLM side-by-side model.
     "qwen3-768": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       num_key_value_heads=4, head_dim=64, intermediate_size=2048, max_position_embeddings=32768),
+    # qwen3-768 with room for 64K-token prompts and their decodes (the long-context side-by-side).
+    "qwen3-768-128k": dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                           num_key_value_heads=4, head_dim=64, intermediate_size=2048, max_position_embeddings=131072),
     # qwen3-256 (the demo model's shape) with room for a 100K-token prompt.
     "qwen3-256-128k": dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32, intermediate_size=768, max_position_embeddings=131072),
