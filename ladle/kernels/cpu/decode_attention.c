@@ -4,29 +4,14 @@
  * ctypes. The OpenMP team is torch's own: the library names libgomp.so.1, which torch has already loaded.
  *
  * Layouts (all contiguous): q, out [T, H, D]; pools [num_blocks, block_size, KVH, D]; block_tables [B, stride]
- * int32; context_lens [B] int32 (tokens in the cache, this step's included). One work item per request. Scores
- * are exact fp32 (no online rescaling): one pass computes them, one takes the max and the exponentials, one
- * accumulates V.
+ * int32; context_lens [B] int32 (tokens in the cache, this step's included). One work item per split of a
+ * request's context (see SPLIT_TOKENS), one pass over it with an online softmax.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
 
-#if LADLE_AVX2
-/* out[t] = scale * q . row t, for 8 rows at offs[0..8] (elements) of base; d a multiple of 8. */
-static inline void dots8(float *out, const float *q, const void *base, const int64_t *offs, int64_t d, float scale,
-                         int is_bf16) {
-    __m256 acc[8];
-    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + c);
-        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qc, load8(base, offs[t] + c, is_bf16), acc[t]);
-    }
-    _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
-}
-
-#endif
 
 static inline float dot(const float *q, const void *base, int64_t at, int64_t d, int is_bf16) {
     float acc = 0.f;
@@ -40,51 +25,117 @@ static inline void axpy(float *y, float a, const void *base, int64_t at, int64_t
     for (int64_t i = 0; i < d; i++) y[i] += a * get(base, at + i, is_bf16);
 }
 
+#if LADLE_AVX2
+/* out[t] = scale * q . row t, for the 8 rows at `at`, `at + stride`, ... (elements) of base; d a multiple of 8. One
+ * horizontal reduction for all eight (sum8x8). */
+static inline void dots8_strided(float *out, const float *q, const void *base, int64_t at, int64_t stride, int64_t d,
+                                 float scale, int is_bf16) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    if (!is_bf16) {
+        const float *k = (const float *)base + at;
+        for (int64_t c = 0; c < d; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(q + c);
+            const float *kc = k + c;
+            for (int t = 0; t < 8; t++, kc += stride) acc[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kc), acc[t]);
+        }
+    } else {
+        for (int64_t c = 0; c < d; c += 8) {
+            const __m256 qc = _mm256_loadu_ps(q + c);
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qc, load8(base, at + t * stride + c, 1), acc[t]);
+        }
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+}
+
+/* exp(x) for eight floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within 2 ulp of
+ * expf over the range softmax meets; exp(-inf) is 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
+    const __m256 zero_below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero_below, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+}
+#endif
+
+#define RUN 16 /* tokens a step of the online softmax takes at most (within one block, so their rows are adjacent) */
+
 /* One query row over context tokens [lo, hi) of one request, every head, unnormalized: part holds per head its
- * largest score m[h], then the sum l[h] of exp(score - m[h]), then acc[h][d] the exp-weighted sum of V rows. Each
- * token's K (then V) row for all kv heads is one contiguous run, so the pool streams block by block (per-head
- * passes would stride through it and miss the TLB every few tokens). Returns 0, or -1 when its scratch could not
- * be allocated. */
+ * largest score m[h], then the sum l[h] of exp(score - m[h]), then acc[h][d] the exp-weighted sum of V rows.
+ * One pass, in runs of up to RUN tokens of one block (an online softmax: a run's scores, their exponentials
+ * against the running maximum, the V rows, the sums rescaled when the maximum grows), so each K and V row is read
+ * from memory once and used while it is in cache by every head of its group. Returns 0, or -1 when its scratch
+ * could not be allocated. */
 static int attend_range(const void *q, const void *k_pool, const void *v_pool, const int32_t *table, int64_t lo,
                         int64_t hi, int64_t row, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                         int64_t block_size, float scale, int is_bf16, float *part) {
-    const int64_t group = num_heads / num_kv_heads, n = hi - lo, hd = num_heads * d;
-    float *qf = malloc(sizeof(float) * (size_t)(hd + num_heads * (n + 8)) + sizeof(int64_t) * (size_t)n);
+    const int64_t group = num_heads / num_kv_heads, hd = num_heads * d, token_stride = num_kv_heads * d;
+    float *qf = malloc(sizeof(float) * (size_t)hd);
     if (qf == NULL) return -1;
     float *maxes = part, *total = part + num_heads, *acc = part + 2 * num_heads;
-    float *scores = qf + hd; /* [H][n + 8], 8 spare */
-    int64_t *offs = (int64_t *)(scores + num_heads * (n + 8));
-    const int64_t stride = n + 8;
     for (int64_t i = 0; i < hd; i++) qf[i] = get(q, row * hd + i, is_bf16);
     memset(acc, 0, sizeof(float) * (size_t)hd);
-    for (int64_t p = lo; p < hi; p++)
-        offs[p - lo] = ((int64_t)table[p / block_size] * block_size + p % block_size) * num_kv_heads * d;
-    int64_t i = 0;
+    for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY, total[h] = 0.f;
+    float s[RUN] __attribute__((aligned(32)));
+    for (int64_t p = lo; p < hi;) {
+        const int64_t in_block = block_size - p % block_size, left = hi - p;
+        const int64_t n = in_block < left ? (in_block < RUN ? in_block : RUN) : (left < RUN ? left : RUN);
+        const int64_t first = ((int64_t)table[p / block_size] * block_size + p % block_size) * token_stride;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t at = first + h / group * d; /* token t's row of this head's kv head: at + t * stride */
+            const float *qh = qf + h * d;
+            float m = maxes[h];
+            int64_t t = 0;
 #if LADLE_AVX2
-    if (d % 8 == 0)
-        for (; i + 8 <= n; i += 8)
-            for (int64_t h = 0; h < num_heads; h++) {
-                int64_t at[8];
-                for (int t = 0; t < 8; t++) at[t] = offs[i + t] + h / group * d;
-                dots8(scores + h * stride + i, qf + h * d, k_pool, at, d, scale, is_bf16);
+            if (d % 8 == 0)
+                for (; t + 8 <= n; t += 8) dots8_strided(s + t, qh, k_pool, at + t * token_stride, token_stride, d,
+                                                          scale, is_bf16);
+#endif
+            for (; t < n; t++) s[t] = scale * dot(qh, k_pool, at + t * token_stride, d, is_bf16);
+            for (t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+            const float grow = expf(maxes[h] - m); /* the earlier sums, rescaled to the new maximum */
+            float *ah = acc + h * d, sum = 0.f;
+            t = 0;
+#if LADLE_AVX2
+            for (; t + 8 <= n; t += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + t), _mm256_set1_ps(m)));
+                _mm256_store_ps(s + t, e);
             }
 #endif
-    for (; i < n; i++)
-        for (int64_t h = 0; h < num_heads; h++)
-            scores[h * stride + i] = scale * dot(qf + h * d, k_pool, offs[i] + h / group * d, d, is_bf16);
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * stride, m = -INFINITY, sum = 0.f;
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < n; j++) {
-            s[j] = expf(s[j] - m);
-            sum += s[j];
+            for (; t < n; t++) s[t] = expf(s[t] - m);
+            for (t = 0; t < n; t++) sum += s[t];
+            int64_t j = 0;
+#if LADLE_AVX2
+            /* Eight columns of the accumulator stay in a register across the run's V rows. */
+            for (; j + 8 <= d; j += 8) {
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ah + j), _mm256_set1_ps(grow));
+                for (t = 0; t < n; t++)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_pool, at + t * token_stride + j, is_bf16), a);
+                _mm256_storeu_ps(ah + j, a);
+            }
+#endif
+            for (; j < d; j++) {
+                float a = ah[j] * grow;
+                for (t = 0; t < n; t++) a += s[t] * get(v_pool, at + t * token_stride + j, is_bf16);
+                ah[j] = a;
+            }
+            maxes[h] = m;
+            total[h] = total[h] * grow + sum;
         }
-        maxes[h] = m;
-        total[h] = sum;
+        p += n;
     }
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t h = 0; h < num_heads; h++)
-            axpy(acc + h * d, scores[h * stride + j], v_pool, offs[j] + h / group * d, d, is_bf16);
     free(qf);
     return 0;
 }
