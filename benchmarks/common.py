@@ -58,6 +58,12 @@ MODELS: dict[str, dict[str, Any]] = {
                                   "sliding_attention", "compressed_sparse_attention"],
                      mlp_layer_types=["hash_moe", "moe", "moe", "moe"], tie_word_embeddings=False,
                      max_position_embeddings=32768),
+    # qwen3-768's size as Mistral with a 16-token window: its next token depends on the last 12 x 16 = 192
+    # tokens alone, so after a repeated span of its own greedy text longer than that it continues that text (the
+    # speculative-decoding benchmark's copying model).
+    "mistral-768-w16": dict(arch="mistral", vocab_size=32000, hidden_size=768, num_hidden_layers=12,
+                            num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
+                            sliding_window=16, tie_word_embeddings=True, max_position_embeddings=32768),
     # For debugging the scripts.
     "tiny": dict(vocab_size=12000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=32768),

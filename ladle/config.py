@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from ladle.speculative_config import parse_speculative_config
+
 if TYPE_CHECKING:  # torch loads only where a device is resolved: validating arguments must be instant
     import torch
 
@@ -65,6 +67,8 @@ class EngineArgs:
     attention_backend: str | None = None  # torch | cpu | triton; default: triton on CUDA, cpu where it builds
     reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
     tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (ladle.distributed)
+    # Drafts verified in each decode step (ladle.speculative_config: a dict, or its JSON as vLLM's CLI takes it).
+    speculative_config: dict[str, Any] | str | None = None
     seed: int = 0
 
     @classmethod
@@ -137,6 +141,7 @@ class EngineArgs:
                 raise ValueError(f"{name} needs CUDA graphs, which enforce_eager disables; drop one of them")
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}: choose one of {', '.join(CUDAGRAPH_MODES)}")
+        parse_speculative_config(self.speculative_config)
         check_model_dir(self.model, "model")
         if self.tokenizer is not None:
             check_model_dir(self.tokenizer, "tokenizer")

@@ -167,6 +167,9 @@ class EngineCore:
             state_checkpoints_evicted=stats.state_checkpoints_evicted,
             state_checkpoint_bytes=stats.state_checkpoint_bytes,
             num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
+            spec_decode_num_drafts=stats.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -243,6 +246,8 @@ class EngineCore:
         self.sync.forget(request_id)
         self.step_executor.forget(request_id)
         self.grammars.remove(request_id)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.forget(request_id)
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:
         """Take the grammars compiled since the last step; end the requests whose grammar cannot be."""
@@ -281,6 +286,8 @@ class EngineCore:
             num_decodes=sched.num_decodes, num_preempted=len(sched.preempted_ids), ms=ms,
         ))
         self.stats.num_preemptions += len(sched.preempted_ids)
+        if self.scheduler.speculator is not None and sched.scheduled and not sched.num_prefill_chunks:
+            self.scheduler.speculator.record_step(sched.num_tokens, ms)
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         outs = self.scheduler.update_from_output(sched, sampled)

@@ -44,6 +44,9 @@ class EngineSnapshot:
     state_checkpoint_bytes: int = 0
     num_steps: int = 0
     steps_with_lent_cpus: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

@@ -27,16 +27,16 @@ from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.fair_shares import fair_shares
 from ladle.engine.prefix_wait import prefix_in_flight
 from ladle.engine.stats import EngineStats
-from ladle.engine.stop_check import check_stop
-from ladle.engine.structured_step import advance, compiling, grammar_error
+from ladle.engine.structured_step import compiling
 from ladle.startup.partial_prefill import default_limits
 from ladle.engine.request_queue import RequestQueue
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from ladle.engine.speculator import Speculator
+from ladle.engine.step_update import update_from_output
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.kv_cache.prefix_hits import PrefixHit
 from ladle.request import Request, RequestStatus
 from ladle.runner.model_runner import SampledToken
-from ladle.runner.sampler import FAILED
 from ladle.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ladle.scheduler")
@@ -68,6 +68,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running, by id
         self.max_pass_over = MAX_PASS_OVER
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec, config.max_model_len, self.stats)
 
     def check(self, request: Request) -> None:
         check_admissible(request, self.config, self.kv, self.waiting.policy)
@@ -85,13 +87,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         running = self.running if self.waiting.policy == "fcfs" else sorted(self.running, key=self.waiting.key)
-        for req in [r for r in running if not r.is_prefilling]:
+        decodes = [r for r in running if not r.is_prefilling]
+        drafts = self.speculator.drafts(decodes, budget) if self.speculator is not None and decodes else {}
+        for req in decodes:
             if budget == 0:
                 break
-            if req.status is RequestStatus.RUNNING and self._reserve(req, 1, scheduled, out):
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1, False))
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            d = self._room_for(req, drafts.get(req.request_id, ()), budget)
+            if self._reserve(req, 1 + len(d), scheduled, out):
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1 + len(d), False,
+                                                      draft_token_ids=d))
                 scheduled.add(req.request_id)
-                budget -= 1
+                budget -= 1 + len(d)
         prefills = [r for r in running if r.is_prefilling and r.status is RequestStatus.RUNNING]
         num_long = sum(self.limits.is_long(r.num_tokens - r.num_computed_tokens) for r in prefills)
         # A step that preempted is short of blocks: admitting now would only thrash.
@@ -124,6 +132,14 @@ class Scheduler:
                 if self.kv.checkpointing:
                     out.scheduled[i] = with_checkpoint(self.kv, self.config.state_checkpoint_interval, s)
         return out
+
+    def _room_for(self, req: Request, drafts: tuple[int, ...], budget: int) -> tuple[int, ...]:
+        """The drafts a decode row carries: none where the budget or the pool (without preempting anyone) lacks
+        room for them, as drafts are never worth a preemption."""
+        if not drafts or len(drafts) + 1 > budget:
+            return ()
+        start = req.num_computed_tokens
+        return drafts if self.kv.allocate(req.request_id, start + 1 + len(drafts), num_computed=start) else ()
 
     def _checkpoint_at(self, req: Request, start: int) -> int | None:
         return checkpoint_at(self.kv, self.config.state_checkpoint_interval, req, start)
@@ -199,54 +215,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         """After sched ran: each request advances by its chunk and registers the blocks it filled, takes its
-        sampled token, and finishes on a stop token or at its length (freed here; its output says so)."""
-        stats = self.stats
-        stats.prefix_cache_queries += sched.prefix_cache_queries
-        stats.prefix_cache_hits += sched.prefix_cache_hits
-        stats.prefix_cache_hit_requests += sched.prefix_cache_hit_requests
-        outs = []
-        for s in sched.scheduled:
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                # Finished or aborted while this step, launched ahead, was running: its token is void.
-                stats.tokens_dropped += 1
-                continue
-            if s.is_prefill:
-                req.prefill_chunks.append(s.num_new_tokens)
-                stats.prompt_tokens += s.num_new_tokens
-            req.num_computed_tokens += s.num_new_tokens
-            # Only now is this step's KV written, so only now may its full blocks be served to others.
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            if tok.token_id == FAILED:
-                broken = grammar_error(self.grammars, req)  # a grammar that broke allows no token
-                outs.append(self.fail(req, broken or (
-                    f"request {req.request_id} could not be sampled: its next-token distribution is not finite "
-                    "(NaN or inf) or masks every token; it was ended so the engine can keep serving"),
-                    "invalid_grammar" if broken else None))
-                continue
-            stats.generation_tokens += 1
-            req.append_output(tok.token_id, tok.logprobs)
-            refused, complete = advance(self.grammars, req, tok.token_id)
-            if refused is not None:
-                outs.append(self.fail(req, refused, "invalid_grammar"))
-                continue
-            out = EngineCoreOutput(req.request_id, [tok.token_id], [tok.logprobs],
-                                   num_cached_tokens=req.num_cached_tokens if req.num_output_tokens == 1 else None)
-            status = check_stop(req, self.config.max_model_len, complete)
-            if status is not None:
-                self.finish(req, status)
-                out.finish_reason, out.stop_reason = status.value, req.stop_reason
-                out.stop_token = status is RequestStatus.FINISHED_STOPPED and tok.token_id in req.stop_token_ids
-                out.prefill_chunks = req.prefill_chunks
-            outs.append(out)
-        if self.kv.checkpointing:
-            ck = self.kv.checkpoints
-            stats.state_checkpoints_stored, stats.state_checkpoints_evicted = ck.num_stored, ck.num_evicted
-            stats.state_checkpoint_bytes = ck.bytes_held
-        return outs
+        sampled tokens, and finishes on a stop token or at its length (freed here; its output says so)."""
+        return update_from_output(self, sched, sampled)
 
     def fail(self, req: Request, message: str, code: str | None = None) -> EngineCoreOutput:
         """End req with an error (code: EngineCoreOutput.error_code), so the engine can keep serving the others."""

@@ -17,11 +17,13 @@ class ScheduledRequest:
     is_prefill: bool  # a (re)prefill chunk rather than one decode token
     checkpoint: CheckpointCopy | None = None  # the state checkpoint this chunk saves where it ends
     bitmask: np.ndarray | None = None  # a constrained request's allowed next tokens (StructuredOutputManager)
+    # A decode row's drafts (speculative decoding): its new tokens are its last token and these, each verified.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """A token is sampled only when this chunk reaches the end of the request's known tokens."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+        return self.start_pos + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -37,6 +39,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.scheduled)
+
+    @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if not s.is_prefill)
 
@@ -50,7 +56,8 @@ class SchedulerOutput:
         kept, left = [], max_tokens
         for s in self.scheduled:
             n = min(s.num_new_tokens, left)
-            if n > 0:  # a chunk cut short does not reach its checkpoint position
-                kept.append(replace(s, num_new_tokens=n, checkpoint=s.checkpoint if n == s.num_new_tokens else None))
+            if n > 0:  # a chunk cut short does not reach its checkpoint position; a row cut short, its last drafts
+                kept.append(replace(s, num_new_tokens=n, checkpoint=s.checkpoint if n == s.num_new_tokens else None,
+                                    draft_token_ids=s.draft_token_ids[: n - 1] if s.draft_token_ids else ()))
                 left -= n
         return replace(self, scheduled=kept)

@@ -43,6 +43,15 @@ class EngineStats:
     state_checkpoints_stored: int = 0
     state_checkpoints_evicted: int = 0
     state_checkpoint_bytes: int = 0
+    # Speculative decoding, as vLLM counts it: decode rows that carried drafts, their drafts, those accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a decode row with drafts produced on average: its accepted drafts and the token it sampled."""
+        return 1 + self.spec_decode_num_accepted_tokens / max(1, self.spec_decode_num_drafts)
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)

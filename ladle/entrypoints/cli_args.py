@@ -88,6 +88,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=S,
                    help="shard the model over this many ranks, one process each (gloo on CPU, NCCL on CUDA; "
                         "default 1)")
+    p.add_argument("--speculative-config", default=S,
+                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4} (drafts verified in each decode step; the output is unchanged)')
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -104,7 +107,7 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
                "cudagraph_mode", "async_scheduling", "load_format", "quantization", "dequantize_weights", "profile_cache",
                "num_threads", "attention_backend",
-               "tensor_parallel_size", "seed")
+               "tensor_parallel_size", "speculative_config", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],

@@ -26,6 +26,7 @@ from ladle.runner.runner_requests import RunnerRequests
 from ladle.runner.sampler import Sampler, SamplerOutput
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
+from ladle.runner.spec_verify import accept, row_owners, sampled_positions
 from ladle.runner.step_buffers import StepBuffers
 
 
@@ -33,6 +34,8 @@ from ladle.runner.step_buffers import StepBuffers
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None
+    # Speculative decoding: the row's accepted drafts, with their logprobs, which come before token_id.
+    accepted: tuple[tuple[int, dict[int, Logprob] | None], ...] = ()
 
 
 def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, device: torch.device,
@@ -182,6 +185,9 @@ class ModelRunner:
         out = self.run(self.requests.step_batch(specs), self._sampling_metadata(sampled),
                        self.requests.tables(specs, self.block_size))
         self.checkpoints.save_after(specs)
+        if any(s.draft_token_ids for s in sampled):
+            return {s.request_id: SampledToken(*v) for s, v in zip(sampled, accept(sampled, out.token_ids,
+                                                                                      out.logprobs))}
         rids = [s.request_id for s in sampled]
         return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
 
@@ -212,7 +218,10 @@ class ModelRunner:
     def _sampling_metadata(self, specs: list[ChunkSpec]) -> SamplingMetadata:
         """The sampling metadata of these sampled chunks: the batch's tensors (rebuilt only when its requests
         change) and this step's draws, each at the position of the token it samples, and grammar bitmasks."""
-        key = (self.requests.version, tuple(s.request_id for s in specs))
+        drafts = any(s.draft_token_ids for s in specs)
+        # With drafts a row samples each of its positions: one sampling row per position, the request's own.
+        ids = tuple(specs[i].request_id for i in row_owners(specs)) if drafts else tuple(s.request_id for s in specs)
+        key = (self.requests.version, ids)
         if self._sampling is None or self._sampling[0] != key:
             reqs = [self.requests[r] for r in key[1]]
             batch = SamplingBatch([r.params for r in reqs], [len(r.prompt) for r in reqs],
@@ -220,9 +229,17 @@ class ModelRunner:
                                   self.requests.penalty_rows(reqs), self.generator)
             self._sampling = (key, batch)
         batch = self._sampling[1]
-        positions = (np.fromiter((s.start_pos + s.num_tokens for s in specs), dtype=np.int64, count=len(specs))
-                     if batch.needs_positions else None)
+        positions = None
+        if drafts:
+            positions = sampled_positions(specs)
+        elif batch.needs_positions:
+            positions = np.fromiter((s.start_pos + s.num_tokens for s in specs), dtype=np.int64, count=len(specs))
         masks = [(i, s.bitmask) for i, s in enumerate(specs) if s.bitmask is not None]
+        if drafts and masks:
+            if any(specs[i].draft_token_ids for i, _ in masks):
+                raise ValueError("a constrained row carries drafts: its grammar would need a mask per draft")
+            first = np.cumsum([0] + [len(s.draft_token_ids) + 1 for s in specs])  # each spec's first row
+            masks = [(int(first[i]), m) for i, m in masks]
         return batch.step(positions, self.penalties, masks)
 
     @torch.inference_mode()

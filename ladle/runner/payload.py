@@ -47,6 +47,9 @@ class ChunkSpec(NamedTuple):
     # A constrained request's allowed tokens for the token this chunk samples: int32 words, bit t % 32 of word
     # t // 32 set when token t may come next (None: unconstrained).
     bitmask: np.ndarray | None = None
+    # A decode row's drafts: its new tokens are its last known token and these; every one of its positions is
+    # sampled, and the drafts that match the samples are accepted (ladle.runner.spec_verify).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

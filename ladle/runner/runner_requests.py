@@ -112,11 +112,14 @@ class RunnerRequests:
             tokens = [0] * len(specs)
         elif all(s.num_tokens == 1 for s in specs):
             tokens = [r.token_at(s.start_pos) for r, s in zip(reqs, specs)]
-        else:
-            tokens = [t for r, s in zip(reqs, specs) for t in r.tokens(s.start_pos, s.num_tokens)]
+        else:  # a decode row with drafts: its last known token, then the drafts
+            tokens = [t for r, s in zip(reqs, specs)
+                      for t in (r.tokens(s.start_pos, s.num_tokens - len(s.draft_token_ids)) + list(s.draft_token_ids)
+                                if s.draft_token_ids else r.tokens(s.start_pos, s.num_tokens))]
+        drafts = [len(s.draft_token_ids) for s in specs]
         return StepBatch(tokens, [s.start_pos for s in specs], [s.num_tokens for s in specs],
                          [s.sample or placeholder_inputs for s in specs], [r.tables for r in reqs],
-                         [r.state_slot for r in reqs])
+                         [r.state_slot for r in reqs], drafts if any(drafts) else None)
 
     def tables(self, specs: list[ChunkSpec], block_size: int) -> tuple[torch.Tensor, ...] | None:
         """The step's rows of each group's block-table buffer, as wide as its longest context needs."""

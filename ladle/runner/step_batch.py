@@ -33,6 +33,9 @@ class StepBatch:
     sample: list[bool]  # whether each request's last new token is sampled from
     block_ids: list[tuple[list[int], ...]]  # each request's table per KV cache group
     state_slots: list[int]  # each request's slot in the state layers (-1: none)
+    # Each request's drafts among its new tokens (speculative decoding): its last 1 + drafts positions are
+    # sampled, not only its last (None: no request has drafts).
+    num_drafts: list[int] | None = None
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk]) -> "StepBatch":

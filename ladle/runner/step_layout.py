@@ -121,9 +121,21 @@ def _chunk_layout(batch: StepBatch, block_size: int, compressions: tuple[tuple[i
     tables = _tables(batch, context, block_size, compressions, block_tables)
     slots = [slot_mapping(t, request, positions, block_size) if comp == (1, 1) else np.zeros(0, dtype=np.int64)
              for t, comp in zip(tables, compressions)]
-    sample = np.array(batch.sample, dtype=bool)
+    logits, sampled = _sampled(cu, np.array(batch.sample, dtype=bool), batch.num_drafts)
     return StepLayout(batch.token_ids, positions, cu, context, tuple(batch.num_tokens), slots, tables,
-                      cu[1:][sample] - 1, tuple(np.flatnonzero(sample).tolist()), batch.start_pos, batch.state_slots)
+                      logits, sampled, batch.start_pos, batch.state_slots)
+
+
+def _sampled(cu: np.ndarray, sample: np.ndarray, num_drafts: list[int] | None) -> tuple[np.ndarray, tuple[int, ...]]:
+    """(rows of the hidden states to sample, the request of each): a sampling request's last row, or with
+    drafts its last 1 + drafts rows (each draft is verified against the sample at its own position)."""
+    last = cu[1:] - 1
+    if num_drafts is None:
+        return last[sample], tuple(np.flatnonzero(sample).tolist())
+    counts = np.where(sample, np.array(num_drafts, dtype=np.int64) + 1, 0)
+    request = np.repeat(np.arange(len(counts)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each logits row's request's first row among them
+    return last[request] - (counts[request] - 1) + (np.arange(len(request)) - first), tuple(request.tolist())
 
 
 def _check_blocks(batch: StepBatch, context: np.ndarray, block_size: int,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ladle.config import Setting
+from ladle.speculative_config import SpeculativeConfig
 from ladle.startup.cpu_lending import CpuLending
 from ladle.startup.partial_prefill import PartialPrefillLimits
 
@@ -44,6 +45,7 @@ class EngineConfig:
     plan: MemoryPlan | None = None  # what sized the memory settings
     kv_layout: KVCacheLayout | None = None  # the KV cache groups and what a block costs
     cpu_lending: CpuLending | None = None  # reserved CPUs the steps may borrow; None: none
+    speculative: SpeculativeConfig | None = None  # drafts verified in each decode step; None: none
 
     def report(self) -> str:
         """The resolved settings with their provenance, then the memory plan and the KV cache groups."""

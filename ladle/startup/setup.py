@@ -17,6 +17,7 @@ from ladle.config import (
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
+from ladle.speculative_config import SpeculativeConfig, parse_speculative_config
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
@@ -86,6 +87,24 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int) -> 
             raise ValueError(f"max_cudagraph_capture_size cannot be used with this model: {why}; drop it")
         prov.put("max_cudagraph_capture_size", 0, why)
     return 0
+
+
+def resolve_speculative(args: EngineArgs, prov: Provenance, layout: KVCacheLayout) -> SpeculativeConfig | None:
+    """The speculative config, refused where verification could not be exact yet: rejected drafts are undone
+    by leaving their KV behind to be written over, which a layer that folds each token into a per-request state
+    (Gated DeltaNet, DeepSeek-V4's compressors) cannot do without a state checkpoint per position."""
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None:
+        prov.put("speculative_config", "off")
+        return None
+    folded = [g.spec.kind for g in layout.state_groups] + [
+        f"compressed KV (rate {g.spec.compress_rate})" for g in layout.groups if g.spec.compress_rate > 1]
+    if folded:
+        raise ValueError(f"speculative_config cannot be used with this model yet: its {folded[0]} layers fold each "
+                         "token into per-request state, and undoing a rejected draft there needs a state "
+                         "checkpoint per draft position, which ladle does not take yet; drop speculative_config")
+    prov.put("speculative_config", spec.describe())
+    return spec
 
 
 def _graph_limit(prov: Provenance, graph_batch: int, why: str) -> int:
@@ -206,8 +225,11 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     for group in layout.groups:
         select_backend(device, group.spec, backend)  # fails now, with the reason, if a group has no backend here
 
+    speculative = resolve_speculative(args, prov, layout)
     points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend, tp)
-    activation = fit_activation_model(points, args.max_num_seqs)
+    # A decode row with k drafts samples k + 1 positions: the logits and sampling rows a step may hold.
+    activation = fit_activation_model(points, args.max_num_seqs * (1 + (speculative.num_speculative_tokens
+                                                                          if speculative else 0)))
 
     # A graph's pool holds one step's activations for good, the largest captured step's (graphs share it):
     # the decode profile bounds a decode graph's (it also counts sampling, which runs outside the graph), the
@@ -239,6 +261,6 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         num_state_checkpoints=num_checkpoints, state_checkpoint_interval=interval,
         max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
-        settings=prov.settings, plan=plan, kv_layout=layout, cpu_lending=lending,
+        settings=prov.settings, plan=plan, kv_layout=layout, cpu_lending=lending, speculative=speculative,
     )
     return Loaded(model, hf_config, config)

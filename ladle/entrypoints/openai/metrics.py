@@ -26,6 +26,9 @@ _COUNTERS = {
                                                              "with per-request state)."),
     "state_checkpoints_evicted": ("state_checkpoints_evicted", "State checkpoints evicted to make room."),
     "num_steps": ("engine_steps", "Engine steps run."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Decode rows that carried drafts (speculative decoding)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     "steps_with_lent_cpus": ("engine_steps_with_lent_cpus", "Engine steps run with the API process's idle CPUs "
                                                             "lent (ladle serve on CPU)."),
 }

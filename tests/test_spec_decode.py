@@ -1,0 +1,235 @@
+"""Speculative decoding (n-gram drafts verified in the normal step): the tokens are those without drafts, for
+every sampling mode, under chunked prefill, preemption, prefix hits and aborts; HF's greedy tokens too."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from hf_oracle import hf_greedy, ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.engine.ngram_proposer import NgramProposer, propose
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def spec(k: int, **extra) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2, **extra}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen3_dir):
+    return LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(plain) -> list[list[int]]:
+    """Prompts an n-gram lookup drafts well on: a head, the model's own greedy continuation of it, a few other
+    tokens and the head again, so the continuation is proposed where the model may repeat it."""
+    rng = random.Random(1)
+    heads = [[rng.randrange(500) for _ in range(24)] for _ in range(5)]
+    conts = ladle_tokens(plain, heads, GREEDY)
+    return [h + c + [rng.randrange(500) for _ in range(6)] + h for h, c in zip(heads, conts)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain, copy_prompts) -> list[list[int]]:
+    return ladle_tokens(plain, copy_prompts, GREEDY)
+
+
+def test_propose_takes_the_longest_suffix_at_its_earliest_occurrence():
+    t = np.array([5, 1, 2, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert propose(t, 1, 3, 2) == (7, 8)  # "1 2 3" occurs at 4..6
+    assert propose(t, 1, 2, 3) == (7, 8, 1)  # at most 2-grams: "2 3" at 5..6
+    assert propose(t, 3, 3, 9) == (7, 8, 1, 2, 3)  # as many as follow
+    assert propose(np.array([1, 2, 7, 1, 2, 8, 1, 2]), 2, 2, 1) == (7,)  # the earliest occurrence, as vLLM's
+    assert propose(np.array([4, 5, 6]), 1, 3, 2) == ()  # nothing occurs earlier
+    assert propose(t, 1, 3, 0) == ()
+    p = NgramProposer(2, 3)
+    tokens = [1, 2, 3, 4, 1, 2]
+    assert p.propose("r", tokens, 2) == (3, 4)
+    tokens += [3, 4, 5]
+    assert p.propose("r", tokens, 2) == ()  # "4 5" and "3 4 5" never occurred before
+    assert p.propose("r", [9, 9, 9], 2) == (9,)  # a request recomputed with fewer tokens starts over
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_tokens_equal_the_plain_run_and_hf(k, tiny_qwen3_dir, hf_qwen3, copy_prompts, plain_greedy):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, max_prefill_length=19, speculative_config=spec(k))
+    assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
+    s = llm.stats
+    assert s.spec_decode_num_accepted_tokens > 0 and s.spec_decode_num_draft_tokens > s.spec_decode_num_accepted_tokens
+    assert s.max_step_tokens <= 64
+    if k == 3:
+        assert plain_greedy == [hf_greedy(hf_qwen3, p, 32) for p in copy_prompts]
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    # 86 tokens + 32 = 8 blocks a request: 14 blocks admit two, which then outgrow them (preempting the newer).
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=14, speculative_config=spec(3))
+    assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
+    assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 14
+    roomy = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    assert ladle_tokens(roomy, copy_prompts, GREEDY) == plain_greedy
+    assert ladle_tokens(roomy, copy_prompts, GREEDY) == plain_greedy  # the second time from the prefix cache
+    assert roomy.stats.prefix_cache_hits > 0 and roomy.stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_an_abort_mid_decode_leaves_the_others_as_they_were(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5))
+    engine = llm.engine
+    for i, p in enumerate(copy_prompts):
+        engine.add_request(str(i), None, p, GREEDY)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 8:
+            engine.abort_request(["2"])
+    assert "2" not in done and llm.stats.spec_decode_num_accepted_tokens > 0
+    assert [done[str(i)] for i in (0, 1, 3, 4)] == [plain_greedy[i] for i in (0, 1, 3, 4)]
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_seeded_rows_draw_the_same_tokens_with_drafts(plain, tiny_qwen3_dir, copy_prompts):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    for params in (SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True),
+                   SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=9, max_tokens=32,
+                                  ignore_eos=True)):
+        assert ladle_tokens(llm, copy_prompts, params) == ladle_tokens(plain, copy_prompts, params)
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity: the p-value that a and b come from one distribution."""
+    keys = sorted(set(a) | set(b))
+    table = torch.tensor([[a[k] for k in keys], [b[k] for k in keys]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = len(keys) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def test_unseeded_random_rows_sample_the_same_distribution(plain, tiny_qwen3_dir, copy_prompts):
+    """Many unseeded samples of the first three tokens after a copy prompt (a few candidates each, top_k=3):
+    their joint distribution with drafts is the plain one's (and the test can tell two that differ)."""
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3))
+    prompt = {"prompt_token_ids": copy_prompts[0]}
+    params = SamplingParams(n=600, temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+
+    def sample(engine: LLM, p: SamplingParams = params) -> Counter:
+        return Counter(tuple(c.token_ids) for c in engine.generate([prompt], p, use_tqdm=False)[0].outputs)
+
+    with_drafts, without = sample(llm), sample(plain)
+    assert llm.stats.spec_decode_num_accepted_tokens > 50
+    assert _chi_square_p(with_drafts, without) > 1e-3
+    hotter = sample(plain, SamplingParams(n=600, temperature=3.0, top_k=3, max_tokens=3, ignore_eos=True))
+    assert _chi_square_p(hotter, without) < 1e-3
+
+
+def test_logprobs_are_the_target_models(plain, tiny_qwen3_dir, copy_prompts):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    got = llm.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
+    want = plain.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert list(lg) == list(lw)
+            assert all(abs(lg[t].logprob - lw[t].logprob) < 1e-4 and lg[t].rank == lw[t].rank for t in lg)
+
+
+def test_stops_hold_at_every_accepted_token(plain, tiny_qwen3_dir, copy_prompts, plain_greedy):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5))
+    for i, (prompt, full) in enumerate(zip(copy_prompts, plain_greedy)):
+        stop = full[7 + i]
+        for params in (SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop]),
+                       SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop], min_tokens=full.index(stop) + 1),
+                       SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True)):
+            want = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            assert (got.token_ids, got.finish_reason, got.stop_reason) == (want.token_ids, want.finish_reason,
+                                                                          want.stop_reason)
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_penalized_rows_decode_plainly_beside_drafting_rows(plain, tiny_qwen3_dir, copy_prompts):
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 2 else 1.0) for i in range(len(copy_prompts))]
+    prompts = [{"prompt_token_ids": p} for p in copy_prompts]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert got == want and llm.stats.spec_decode_num_accepted_tokens > 0
+
+
+def _copy_prompts_for(path: str, n: int = 3) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts that repeat a span of the model's own greedy text (T + T[40:120], T a head and 120 greedy
+    tokens), with their plain greedy tokens. Where attention sees a window of w tokens per layer, text after the
+    repeat continues T itself once the span is longer than the layers' reach: every draft is accepted."""
+    plain = LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024)
+    rng = random.Random(2)
+    heads = [[rng.randrange(500) for _ in range(20)] for _ in range(n)]
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    texts = [h + c for h, c in zip(heads, ladle_tokens(plain, heads, long))]
+    prompts = [t + t[40:120] for t in texts]
+    return prompts, ladle_tokens(plain, prompts, GREEDY)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
+def test_other_families_keep_their_tokens(family, moe_dir, tmp_path_factory):
+    """Mistral's window (24 tokens, mid-block) gives blocks back as a row's drafts come and go; Qwen3-MoE
+    routes every draft position through its experts."""
+    from ladle.demo import build_checkpoint
+
+    path = moe_dir if family == "qwen3_moe" else build_checkpoint(
+        tmp_path_factory.mktemp("mistral_spec"), "mistral", vocab_size=512, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=24,
+        max_position_embeddings=32768, tie_word_embeddings=False, seed=4)
+    prompts, want = _copy_prompts_for(path)
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024, speculative_config=spec(4))
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts)
+
+
+def test_settings_are_read_shown_or_refused(tiny_qwen3_dir, tmp_path):
+    from ladle.demo import build_checkpoint
+
+    llm = LLM(tiny_qwen3_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    row = llm.engine.core.config.settings["speculative_config"]
+    assert (row.value, row.source) == ("ngram, k=2, n-grams of 5-5 tokens", "explicit")
+    assert LLM(tiny_qwen3_dir).engine.core.config.settings["speculative_config"].value == "off"
+    for bad, said in (({"method": "ngram"}, "num_speculative_tokens is required"),
+                      ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not implemented"),
+                      ({"method": "ngram", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1},
+                       r"does not read \['draft_tensor_parallel_size'\]"),
+                      ({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 4,
+                        "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+                      ({"method": "ngram", "num_speculative_tokens": 0}, "must be a positive integer"),
+                      ("{not json", "is not JSON")):
+        with pytest.raises(ValueError, match=said):
+            LLM(tiny_qwen3_dir, speculative_config=bad)
+    q35 = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+                           layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+                           linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, seed=4)
+    with pytest.raises(ValueError, match="fold each token into per-request state"):
+        LLM(q35, speculative_config=spec(2))
+
+
+def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    # A budget that prefills all five at once, so five run until they all finish together.
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3, disable_by_batch_size=1))
+    assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
+    drafts = llm.stats.spec_decode_num_drafts
+    assert ladle_tokens(llm, copy_prompts[:1], GREEDY) == plain_greedy[:1]
+    assert drafts == 0 and llm.stats.spec_decode_num_drafts > 0  # 5 running: none; 1 running: drafts

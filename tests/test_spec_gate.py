@@ -1,0 +1,47 @@
+"""The speculation gate: drafts only while their measured acceptance pays for the tokens they add."""
+from __future__ import annotations
+
+from ladle.engine.spec_gate import PROBE_EVERY, SpecGate, expected_accepted
+
+
+def _fitted(ms_per_token: float, base_ms: float = 20.0) -> SpecGate:
+    gate = SpecGate()
+    for i in range(40):  # decode-only steps of 1 and 6 tokens
+        tokens = 1 if i % 2 else 6
+        gate.record_step(tokens, base_ms + ms_per_token * tokens)
+    return gate
+
+
+def test_the_cost_fit_needs_two_step_sizes_and_recovers_a_line():
+    gate = SpecGate()
+    for _ in range(20):
+        gate.record_step(4, 30.0)
+    assert gate.cost() is None
+    a, b = _fitted(2.0).cost()
+    assert abs(a - 20.0) < 1e-6 and abs(b - 2.0) < 1e-6
+
+
+def test_drafts_that_are_never_accepted_stop_being_drafted_but_are_probed_again():
+    gate = _fitted(4.0)
+    for _ in range(30):
+        gate.record("r", 5, 0)
+    allowed = [gate.allows("r", 5, rows=1) for _ in range(2 * PROBE_EVERY)]
+    assert allowed.count(0) == 2 * PROBE_EVERY - 2 and allowed.count(5) == 2  # one probe per PROBE_EVERY
+
+
+def test_accepted_drafts_are_drafted_and_a_new_request_starts_from_the_engine_wide_rate():
+    gate = _fitted(4.0)
+    for _ in range(30):
+        gate.record("good", 5, 5)
+    assert gate.allows("good", 5, rows=1) == 5
+    assert gate.rate("new") > 0.8  # the engine has seen drafts accepted
+    # Where a token costs as much as a plain step's share, only near-certain drafts pay.
+    costly = _fitted(50.0, base_ms=0.0)
+    for _ in range(30):
+        costly.record("half", 4, 1)
+    assert costly.allows("half", 4, rows=1) == 0
+
+
+def test_expected_accepted_is_the_geometric_sum():
+    assert expected_accepted(0.5, 3) == 0.5 + 0.25 + 0.125
+    assert expected_accepted(1.0, 4) == 4
