@@ -160,50 +160,38 @@ def test_stops_hold_at_every_accepted_token(plain, tiny_qwen3_dir, copy_prompts,
     assert llm.stats.spec_decode_num_accepted_tokens > 0
 
 
-def test_penalized_rows_decode_plainly_beside_drafting_rows(plain, tiny_qwen3_dir, copy_prompts):
+def test_penalties_count_the_drafts_before_each_position(plain, tiny_qwen3_dir, copy_prompts):
+    """A penalized row's position j sees the drafts before it as output (as the plain run would have them): the
+    tokens equal the plain run's for each kind of penalty, greedy and seeded."""
     llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
-    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
-                             repetition_penalty=1.3 if i % 2 else 1.0) for i in range(len(copy_prompts))]
     prompts = [{"prompt_token_ids": p} for p in copy_prompts]
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert got == want and llm.stats.spec_decode_num_accepted_tokens > 0
-
-
-def _copy_prompts_for(path: str, n: int = 3) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts that repeat a span of the model's own greedy text (T + T[40:120], T a head and 120 greedy
-    tokens), with their plain greedy tokens. Where attention sees a window of w tokens per layer, text after the
-    repeat continues T itself once the span is longer than the layers' reach: every draft is accepted."""
-    plain = LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024)
-    rng = random.Random(2)
-    heads = [[rng.randrange(500) for _ in range(20)] for _ in range(n)]
-    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    texts = [h + c for h, c in zip(heads, ladle_tokens(plain, heads, long))]
-    prompts = [t + t[40:120] for t in texts]
-    return prompts, ladle_tokens(plain, prompts, GREEDY)
-
-
-@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
-def test_other_families_keep_their_tokens(family, moe_dir, tmp_path_factory):
-    """Mistral's window (24 tokens, mid-block) gives blocks back as a row's drafts come and go; Qwen3-MoE
-    routes every draft position through its experts."""
-    from ladle.demo import build_checkpoint
-
-    path = moe_dir if family == "qwen3_moe" else build_checkpoint(
-        tmp_path_factory.mktemp("mistral_spec"), "mistral", vocab_size=512, hidden_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=24,
-        max_position_embeddings=32768, tie_word_embeddings=False, seed=4)
-    prompts, want = _copy_prompts_for(path)
-    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024, speculative_config=spec(4))
-    assert ladle_tokens(llm, prompts, GREEDY) == want
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=0.6), {}]
+    for extra in (dict(temperature=0), dict(temperature=0.8, seed=11)):
+        params = [SamplingParams(max_tokens=32, ignore_eos=True, **extra, **kinds[i % len(kinds)])
+                  for i in range(len(copy_prompts))]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        assert got == want
     assert llm.stats.spec_decode_num_accepted_tokens > 0
-    kv = llm.engine.core.kv
-    assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts)
 
 
-def test_settings_are_read_shown_or_refused(tiny_qwen3_dir, tmp_path):
-    from ladle.demo import build_checkpoint
+def test_count_drafts_adds_each_positions_earlier_drafts():
+    from ladle.runner.payload import ChunkSpec
+    from ladle.runner.spec_verify import count_drafts
 
+    specs = [ChunkSpec("a", 10, 4, True, draft_token_ids=(5, 5, 7)), ChunkSpec("b", 3, 1, True)]
+    counts = torch.zeros(5, 8)
+    counts[4, 5] = 1.0  # b's own output so far
+    count_drafts(counts, [0, 1, 2, 3, 4], specs)  # every sampling row penalized: a's four, then b's
+    want = torch.zeros(5, 8)
+    want[1, 5], want[2, 5], want[3, 5], want[3, 7], want[4, 5] = 1, 2, 2, 1, 1
+    assert torch.equal(counts, want)
+    counts = torch.zeros(2, 8)
+    count_drafts(counts, [2, 4], specs)  # only a's third row and b penalized: rows of counts follow them
+    assert counts[0, 5] == 2 and counts.sum() == 2
+
+
+def test_settings_are_read_shown_or_refused(tiny_qwen3_dir):
     llm = LLM(tiny_qwen3_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     row = llm.engine.core.config.settings["speculative_config"]
     assert (row.value, row.source) == ("ngram, k=2, n-grams of 5-5 tokens", "explicit")
@@ -218,12 +206,6 @@ def test_settings_are_read_shown_or_refused(tiny_qwen3_dir, tmp_path):
                       ("{not json", "is not JSON")):
         with pytest.raises(ValueError, match=said):
             LLM(tiny_qwen3_dir, speculative_config=bad)
-    q35 = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
-                           layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
-                           linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, seed=4)
-    with pytest.raises(ValueError, match="fold each token into per-request state"):
-        LLM(q35, speculative_config=spec(2))
 
 
 def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_prompts, plain_greedy):
@@ -233,3 +215,28 @@ def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_pr
     drafts = llm.stats.spec_decode_num_drafts
     assert ladle_tokens(llm, copy_prompts[:1], GREEDY) == plain_greedy[:1]
     assert drafts == 0 and llm.stats.spec_decode_num_drafts > 0  # 5 running: none; 1 running: drafts
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_verifies_drafts_on_every_rank(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    """Rank 1 builds the same chunks from the drafts in the step's plain specs, so the tokens stay the plain
+    run's."""
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, tensor_parallel_size=2, speculative_config=spec(3))
+    try:
+        assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
+        assert llm.stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_metrics_count_drafts_as_vllm_names_them():
+    from ladle.engine.core_output import EngineSnapshot
+    from ladle.entrypoints.openai.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.on_snapshot(1, EngineSnapshot(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9,
+                                          spec_decode_num_accepted_tokens=7))
+    text = metrics.render().decode()
+    for name, value in (("drafts", 3), ("draft_tokens", 9), ("accepted_tokens", 7)):
+        assert f'ladle:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text
+

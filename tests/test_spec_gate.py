@@ -1,6 +1,8 @@
 """The speculation gate: drafts only while their measured acceptance pays for the tokens they add."""
 from __future__ import annotations
 
+import pytest
+
 from ladle.engine.spec_gate import PROBE_EVERY, SpecGate, expected_accepted
 
 
@@ -21,12 +23,17 @@ def test_the_cost_fit_needs_two_step_sizes_and_recovers_a_line():
     assert abs(a - 20.0) < 1e-6 and abs(b - 2.0) < 1e-6
 
 
-def test_drafts_that_are_never_accepted_stop_being_drafted_but_are_probed_again():
+def test_drafts_that_are_never_accepted_stop_being_drafted_but_are_probed_ever_more_rarely():
     gate = _fitted(4.0)
     for _ in range(30):
         gate.record("r", 5, 0)
-    allowed = [gate.allows("r", 5, rows=1) for _ in range(2 * PROBE_EVERY)]
-    assert allowed.count(0) == 2 * PROBE_EVERY - 2 and allowed.count(5) == 2  # one probe per PROBE_EVERY
+    allowed = [gate.allows("r", 5, rows=1) for _ in range(7 * PROBE_EVERY)]
+    probes = [i for i, n in enumerate(allowed) if n]
+    assert probes == [PROBE_EVERY - 1, 3 * PROBE_EVERY - 1, 7 * PROBE_EVERY - 1]  # backing off: 16, 32, 64
+    assert {allowed[i] for i in probes} == {1}  # one draft: the cheapest test of acceptance
+    for _ in range(30):
+        gate.record("r", 1, 1)  # the probes start to be accepted: drafts come back, the backoff resets
+    assert gate.allows("r", 5, rows=1) == 5 and gate._rates["r"].backoff == PROBE_EVERY
 
 
 def test_accepted_drafts_are_drafted_and_a_new_request_starts_from_the_engine_wide_rate():
@@ -45,3 +52,22 @@ def test_accepted_drafts_are_drafted_and_a_new_request_starts_from_the_engine_wi
 def test_expected_accepted_is_the_geometric_sum():
     assert expected_accepted(0.5, 3) == 0.5 + 0.25 + 0.125
     assert expected_accepted(1.0, 4) == 4
+
+
+def test_a_step_drafts_while_drafting_is_the_faster_arm_and_explores_the_other():
+    from ladle.engine.spec_arms import EXPLORE_EVERY, StepArms
+
+    arms = StepArms()
+    assert arms.drafts_now(16)  # drafts first
+    for _ in range(4):
+        arms.record(16, True, 96, 240.0)  # every draft accepted, but 6x the tokens cost 6x the time and more
+    assert not arms.drafts_now(16)  # the plain arm must be seen before any comparison
+    for _ in range(4):
+        arms.record(16, False, 16, 38.0)
+    choices = [arms.drafts_now(16) for _ in range(2 * EXPLORE_EVERY)]
+    assert choices.count(True) == 2  # plain is faster: drafts only to explore
+    assert arms.rates(16) == pytest.approx((16 / 38.0, 96 / 240.0)) and arms.rates(1) is None
+    for _ in range(4):
+        arms.record(1, True, 6, 25.0)
+        arms.record(1, False, 1, 20.0)
+    assert sum(arms.drafts_now(1) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1  # batch 1: drafts pay

@@ -36,6 +36,9 @@ class StateMetadata:
     cu_seqlens_cpu: torch.Tensor  # the same on the host, for kernels that plan their launch from it
     cu_seqlens_host: tuple[int, ...]  # [B+1]: the new tokens of request i are rows cu[i]:cu[i+1]
     has_initial_state: tuple[bool, ...]  # False for a request's first chunk: its state starts at zero
+    # Speculative decoding: per request, the state rows that keep its state after each of its first new tokens
+    # (empty where it has no drafts). Such a request's rows are stepped one token at a time, as decodes are.
+    draft_rows: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -45,3 +48,7 @@ class StateMetadata:
         """The requests whose one new row continues their state: batched single steps, not chunks."""
         cu = self.cu_seqlens_host
         return [i for i in range(self.num_seqs) if cu[i + 1] - cu[i] == 1 and self.has_initial_state[i]]
+
+    def drafting(self) -> list[int]:
+        """The requests whose rows are a decode token and its drafts, each state kept (draft_rows)."""
+        return [] if self.draft_rows is None else [i for i, rows in enumerate(self.draft_rows) if rows]

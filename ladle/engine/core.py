@@ -286,11 +286,13 @@ class EngineCore:
             num_decodes=sched.num_decodes, num_preempted=len(sched.preempted_ids), ms=ms,
         ))
         self.stats.num_preemptions += len(sched.preempted_ids)
-        if self.scheduler.speculator is not None and sched.scheduled and not sched.num_prefill_chunks:
-            self.scheduler.speculator.record_step(sched.num_tokens, ms)
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
         outs = self.scheduler.update_from_output(sched, sampled)
+        spec = self.scheduler.speculator
+        if spec is not None and sched.scheduled and not sched.num_prefill_chunks:
+            spec.record_step(len(sched.scheduled), sched.num_tokens, sched.num_draft_tokens,
+                             sum(len(o.new_token_ids) for o in outs), self.stats.steps[-1].ms)
         for out in outs:
             if out.finish_reason is not None:
                 self._forget(out.request_id)

@@ -69,7 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running, by id
         self.max_pass_over = MAX_PASS_OVER
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(spec, config.max_model_len, self.stats)
+        self.speculator = None if spec is None else Speculator(spec, config.max_model_len, self.stats, grammars)
 
     def check(self, request: Request) -> None:
         check_admissible(request, self.config, self.kv, self.waiting.policy)

@@ -7,9 +7,11 @@ Two measurements, both online:
   run), shrunk toward the engine-wide rate while the request has few trials and decayed so it follows change;
 - the cost of a decode step's tokens, ms = a + b * tokens, least squares over recent decode-only steps (decayed).
 A row with k drafts is expected to gain p + p^2 + ... + p^k tokens, each worth a decode token's share of a
-plain step, (a + b * rows) / rows, and to cost b * k: it drafts when the gain is worth more. Until the fit has
-seen two step sizes, one decode step in PROBE_EVERY runs without drafts to measure the plain step, and a row
-whose drafts the gate refuses is still let through every PROBE_EVERY refusals, so its p can recover.
+plain step, (a + b * rows) / rows, and to cost b * k: it drafts when the gain is worth more (until the fit has
+seen two step sizes, every row may draft; ladle.engine.spec_arms runs plain steps too). A row whose
+drafts the gate refuses still drafts one token after PROBE_EVERY refusals, then after twice as many, up to
+MAX_BACKOFF, so its p can recover while the probes cost a step almost nothing (16 rows probing every 16 steps
+with 5 drafts made a batch-16 step a quarter slower).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 DECAY = 0.95  # weight of the past per observation
 PRIOR_TRIALS = 2.0  # a request's rate starts as this many trials at the engine-wide rate
 PROBE_EVERY = 16
+MAX_BACKOFF = 512
 MIN_STEPS = 8.0  # decayed decode-only steps the cost fit needs (two sizes among them) before it is trusted
 
 
@@ -26,6 +29,7 @@ class _Rate:
     accepted: float = 0.0
     trials: float = 0.0
     refused: int = 0  # refusals since the last draft let through
+    backoff: int = PROBE_EVERY  # refusals before the next one-token probe
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -41,7 +45,6 @@ class SpecGate:
         # step sizes seen.
         self._sums = [0.0] * 5
         self._sizes = (0, 0)
-        self._steps = 0
 
     def record_step(self, num_tokens: int, ms: float) -> None:
         """A decode-only step of num_tokens tokens (drafts included) took ms."""
@@ -75,11 +78,6 @@ class SpecGate:
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
 
-    def plain_step(self) -> bool:
-        """Whether this decode step should run without drafts, to measure a plain step for the fit."""
-        self._steps += 1
-        return self.cost() is None and self._steps % PROBE_EVERY == 0
-
     def allows(self, request_id: str, k: int, rows: int) -> int:
         """How many of k drafts the row may carry in a step of `rows` decode rows (0: none)."""
         fit = self.cost()
@@ -96,10 +94,10 @@ class SpecGate:
                 best, best_net = j, net
         rate = self._rates.setdefault(request_id, _Rate())
         if best:
-            rate.refused = 0
+            rate.refused, rate.backoff = 0, PROBE_EVERY
             return best
         rate.refused += 1
-        if rate.refused >= PROBE_EVERY:
-            rate.refused = 0
-            return k
+        if rate.refused >= rate.backoff:
+            rate.refused, rate.backoff = 0, min(2 * rate.backoff, MAX_BACKOFF)
+            return 1
         return 0

@@ -2,36 +2,50 @@
 pay (ladle.engine.spec_gate), and counted once verified. The runner verifies them in the same step as
 everything else (ladle.runner.spec_verify), so the tokens a request gets are those it would get without them.
 
-A row drafts only where verification is exact as built: not under penalties (their counts would need every
-draft position's tokens) or a grammar (its mask per draft position); those rows decode as usual.
+Penalties count each position's earlier drafts (ladle.runner.spec_verify); a constrained row gets the grammar's
+mask at each of its positions (ladle.engine.structured_step.draft_masks), and drafts what the grammar forces
+where it forces something (a JSON key, the punctuation around it): masked sampling can take nothing else, so
+those drafts are accepted. A row drafts nothing while a thinking block may still open or holds the grammar
+(no rollback crosses its end).
 """
 from __future__ import annotations
 
 from ladle.engine.ngram_proposer import NgramProposer
+from ladle.engine.spec_arms import StepArms
 from ladle.engine.spec_gate import SpecGate
 from ladle.engine.stats import EngineStats
 from ladle.request import Request
-from ladle.runner.sampling_batch import penalized
 from ladle.speculative_config import SpeculativeConfig
+from ladle.structured_output.manager import StructuredOutputManager
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, stats: EngineStats) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, stats: EngineStats,
+                 grammars: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.max_model_len = max_model_len
         self.stats = stats
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.gate = SpecGate()
+        self.arms = StepArms()
 
-    @staticmethod
-    def eligible(req: Request) -> bool:
-        p = req.sampling_params
-        return p.structured_outputs is None and not penalized(p)
+    def _propose(self, req: Request, k: int) -> tuple[int, ...]:
+        """The row's drafts: a constrained row's forced tokens where its grammar forces any, else n-gram lookup
+        (none while its grammar cannot take drafts back)."""
+        rid = req.request_id
+        if req.sampling_params.structured_outputs is not None:
+            if self.grammars is None or not self.grammars.can_draft(rid):
+                return ()
+            forced = self.grammars.forced_tokens(rid)
+            if forced:
+                return tuple(forced[:k])
+        return self.proposer.propose(rid, req.all_token_ids, k)
 
     def drafts(self, decodes: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
         """Each drafting row's drafts, within the step's token budget (each decode row's own token first)."""
         off = self.config.disable_by_batch_size
-        if (off is not None and len(decodes) > off) or self.gate.plain_step():
+        if (off is not None and len(decodes) > off) or not self.arms.drafts_now(len(decodes)):
             return {}
         out: dict[str, tuple[int, ...]] = {}
         left = budget - len(decodes)
@@ -41,9 +55,9 @@ class Speculator:
             # Never past max_tokens or max_model_len: the row's own token comes after its drafts.
             k = min(self.config.num_speculative_tokens, left, req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
-            if k <= 0 or not self.eligible(req):
+            if k <= 0:
                 continue
-            drafts = self.proposer.propose(req.request_id, req.all_token_ids, k)
+            drafts = self._propose(req, k)
             take = self.gate.allows(req.request_id, len(drafts), len(decodes)) if drafts else 0
             if take:
                 out[req.request_id] = drafts[:take]
@@ -56,8 +70,11 @@ class Speculator:
         self.stats.spec_decode_num_draft_tokens += drafted
         self.stats.spec_decode_num_accepted_tokens += accepted
 
-    def record_step(self, num_tokens: int, ms: float) -> None:
+    def record_step(self, rows: int, num_tokens: int, num_drafts: int, produced: int, ms: float) -> None:
+        """A decode-only step of `rows` rows and num_tokens tokens (num_drafts of them drafts) produced
+        `produced` tokens in ms."""
         self.gate.record_step(num_tokens, ms)
+        self.arms.record(rows, num_drafts > 0, produced, ms)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)

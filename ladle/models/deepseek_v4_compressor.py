@@ -91,6 +91,8 @@ class Compressor(nn.Module):
             kv = torch.cat((pend_kv[slot, :held], kv_all[cu[i] : cu[i + 1]]))
             gate = torch.cat((pend_gate[slot, :held], gate_all[cu[i] : cu[i + 1]]))
             first = (start - held) // self.rate  # the first window this step may complete
+            if meta.draft_rows is not None and meta.draft_rows[i]:
+                self._keep_drafts(kv, gate, held, meta.draft_rows[i], state, slot)
             windows = kv.shape[0] // self.rate
             if windows:
                 used = windows * self.rate
@@ -104,6 +106,24 @@ class Compressor(nn.Module):
             pend_kv[slot, :rest], pend_gate[slot, :rest] = kv[kv.shape[0] - rest :], gate[gate.shape[0] - rest :]
             counts.append((start + cu[i + 1] - cu[i]) // self.rate)
         return counts
+
+    def _keep_drafts(self, kv: torch.Tensor, gate: torch.Tensor, held: int, keep: tuple[int, ...],
+                     state: tuple[torch.Tensor, ...], slot: int) -> None:
+        """Speculative decoding: the state after each of a drafting row's first len(keep) tokens, in its draft
+        rows (a rejected draft rolls the slot back to one): the pending projections of the group not complete
+        then and, with overlap, the last window complete then (this step's, or the one the slot holds now).
+        kv, gate: the held pending rows, then the step's."""
+        for j, row in enumerate(keep):
+            n = held + j + 1  # rows of kv up to and including token j
+            rest = n % self.rate
+            state[0][row, :rest], state[1][row, :rest] = kv[n - rest : n], gate[n - rest : n]
+            if self.overlap:
+                w = n // self.rate
+                if w:
+                    window = slice((w - 1) * self.rate, w * self.rate)
+                    state[2][row], state[3][row] = kv[window], gate[window]
+                else:
+                    state[2][row], state[3][row] = state[2][slot], state[3][slot]
 
     def _emit(self, kv: torch.Tensor, gate: torch.Tensor, first: int, state: tuple[torch.Tensor, ...], slot: int,
               rope: Any) -> torch.Tensor:

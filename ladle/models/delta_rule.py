@@ -85,7 +85,18 @@ def torch_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         o, new = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state[slots])
         out[rows] = o
         rec_state[slots] = new
-    done = set(single)
+    drafting = meta.drafting()
+    for i in drafting:  # a decode token and its drafts, one recurrent step each, each state kept for a rollback
+        slot, keep = meta.slots_host[i], meta.draft_rows[i]
+        state = rec_state[slot][None]
+        for j, r in enumerate(range(cu[i], cu[i + 1])):
+            o, state = recurrent_gated_delta_step(q[r : r + 1], k[r : r + 1], v[r : r + 1], g[r : r + 1],
+                                                  beta[r : r + 1], state)
+            out[r] = o[0]
+            if j < len(keep):
+                rec_state[keep[j]] = state[0]
+        rec_state[slot] = state[0]
+    done = set(single) | set(drafting)
     for i, slot in enumerate(meta.slots_host):
         if i in done:
             continue
@@ -103,6 +114,9 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     zeroed for first chunks, and scattered back."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
+    if meta.drafting():
+        raise NotImplementedError("drafts on Gated DeltaNet layers need the state after each draft, which this "
+                                  "kernel does not return (startup refuses speculative_config on CUDA)")
     initial = rec_state[meta.slots]
     fresh = [i for i, has in enumerate(meta.has_initial_state) if not has]
     if fresh:

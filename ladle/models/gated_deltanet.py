@@ -100,7 +100,16 @@ class GatedDeltaNet(OpsModule):
             full = torch.cat((conv_state[slots], mixed[rows][:, :, None]), dim=-1)  # [B, C, K]
             out[rows] = F.silu(F.conv1d(full, weight, groups=self.conv_dim))[:, :, 0]
             conv_state[slots] = full[:, :, 1:]
-        done = set(decodes)
+        drafting = meta.drafting()
+        for i in drafting:  # a decode token and its drafts, one at a time, each state kept for a rollback
+            slot, keep = meta.slots_host[i], meta.draft_rows[i]
+            for j, r in enumerate(range(cu[i], cu[i + 1])):
+                full = torch.cat((conv_state[slot][None], mixed[r][None, :, None]), dim=-1)  # [1, C, K]
+                out[r] = F.silu(F.conv1d(full, weight, groups=self.conv_dim))[0, :, 0]
+                conv_state[slot] = full[0, :, 1:]
+                if j < len(keep):
+                    conv_state[keep[j]] = full[0, :, 1:]
+        done = set(decodes) | set(drafting)
         for i, slot in enumerate(meta.slots_host):
             if i in done:
                 continue

@@ -97,7 +97,8 @@ def _state_metadata(layout: StepLayout, buffers: StepBuffers) -> StateMetadata:
     cu_host = tuple(layout.cu if isinstance(layout.cu, list) else layout.cu.tolist())
     return StateMetadata(buffers.put("state_slots", layout.state_slots, torch.int64), slots_host,
                          buffers.put("state_cu", layout.cu, torch.int64), torch.tensor(cu_host), cu_host,
-                         tuple(s > 0 for s in layout.start_pos))
+                         tuple(s > 0 for s in layout.start_pos),
+                         None if layout.draft_rows is None else tuple(layout.draft_rows))
 
 
 def reserve_inputs(buffers: StepBuffers, prefix: str, max_tokens: int, max_requests: int, max_blocks: int,

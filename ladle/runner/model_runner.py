@@ -26,7 +26,7 @@ from ladle.runner.runner_requests import RunnerRequests
 from ladle.runner.sampler import Sampler, SamplerOutput
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
-from ladle.runner.spec_verify import accept, row_owners, sampled_positions
+from ladle.runner.spec_verify import accept, count_drafts, roll_back_states, row_owners, sampled_positions
 from ladle.runner.step_buffers import StepBuffers
 
 
@@ -110,7 +110,7 @@ class ModelRunner:
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
         max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
-        first_checkpoint: int = 0,
+        first_checkpoint: int = 0, draft_rows: tuple[int, int] = (0, 0),
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
@@ -118,7 +118,8 @@ class ModelRunner:
         max_num_seqs: requests sampled at once at most (rows of the penalty counts); seed: the engine's seed,
         which the draws of rows without a seed of their own come from (a host generator of the runner's, not
         torch's global). checkpoint_tails: allocate_checkpoint_tails'; first_checkpoint: the state tensors' row of
-        checkpoint 0."""
+        checkpoint 0. draft_rows: (the state tensors' first draft row, draft rows per slot): speculative decoding
+        on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j."""
         self.model = model
         self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
                                             first_checkpoint)
@@ -126,6 +127,7 @@ class ModelRunner:
         self.state_layers = tuple(layer for group in state_groups for layer in group.layers)
         # Set once a forward has begun: from then on its state layers may have advanced their requests' state.
         self.state_touched = False
+        self.draft_rows = draft_rows
         self.kv_caches = kv_caches  # one (K, V) pair per layer
         self.block_size = block_size
         self.device = device
@@ -182,20 +184,34 @@ class ModelRunner:
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
         sampled = [s for s in specs if s.sample]
-        out = self.run(self.requests.step_batch(specs), self._sampling_metadata(sampled),
+        out = self.run(self._step_batch(specs), self._sampling_metadata(sampled),
                        self.requests.tables(specs, self.block_size))
         self.checkpoints.save_after(specs)
         if any(s.draft_token_ids for s in sampled):
-            return {s.request_id: SampledToken(*v) for s, v in zip(sampled, accept(sampled, out.token_ids,
-                                                                                      out.logprobs))}
+            verified = accept(sampled, out.token_ids, out.logprobs)
+            if self.num_state_groups:
+                states = [t for layer in self.state_layers for t in self.kv_caches[layer]]
+                roll_back_states(states, sampled, verified, [self.requests[s.request_id].state_slot for s in sampled],
+                                 self.draft_rows)
+            return {s.request_id: SampledToken(*v) for s, v in zip(sampled, verified)}
         rids = [s.request_id for s in sampled]
         return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
 
     @torch.inference_mode()
     def forward_shard(self, specs: list[ChunkSpec]) -> None:
         """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits."""
-        self._logits(self.requests.step_batch(specs), self.requests.tables(specs, self.block_size))
+        self._logits(self._step_batch(specs), self.requests.tables(specs, self.block_size))
         self.checkpoints.save_after(specs)
+
+    def _step_batch(self, specs: list[ChunkSpec]) -> StepBatch:
+        """The step's columns; with drafts on a model with state layers, the rows each row's states go to."""
+        batch = self.requests.step_batch(specs)
+        if self.num_state_groups and batch.num_drafts is not None:
+            first, k = self.draft_rows
+            batch.draft_rows = [tuple(first + slot * k + j for j in range(d))
+                                for slot, d in zip(batch.state_slots, batch.num_drafts)]
+        return batch
+
 
     def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Run a decode-only step whose sampling needs no host data, keeping its tokens on the device, so the
@@ -235,12 +251,13 @@ class ModelRunner:
         elif batch.needs_positions:
             positions = np.fromiter((s.start_pos + s.num_tokens for s in specs), dtype=np.int64, count=len(specs))
         masks = [(i, s.bitmask) for i, s in enumerate(specs) if s.bitmask is not None]
-        if drafts and masks:
-            if any(specs[i].draft_token_ids for i, _ in masks):
-                raise ValueError("a constrained row carries drafts: its grammar would need a mask per draft")
+        if drafts and masks:  # a constrained row with drafts has a mask per position ([1 + drafts, words])
             first = np.cumsum([0] + [len(s.draft_token_ids) + 1 for s in specs])  # each spec's first row
-            masks = [(int(first[i]), m) for i, m in masks]
-        return batch.step(positions, self.penalties, masks)
+            masks = [(int(first[i]) + j, row) for i, m in masks for j, row in enumerate(m.reshape(-1, m.shape[-1]))]
+        meta = batch.step(positions, self.penalties, masks)
+        if drafts and meta.output_counts is not None:
+            count_drafts(meta.output_counts, batch.penalized_host, specs)
+        return meta
 
     @torch.inference_mode()
     def run(

@@ -166,6 +166,7 @@ class SamplingBatch:
         pen = [i for i, p in enumerate(params) if penalized(p)]
         pp = [params[i] for i in pen]
         self.penalized = _index(pen, device) if pen else None
+        self.penalized_host = pen
         self.counts_rows = _index(penalty_rows or [], device) if pen else None
         self.repetition = (_column([p.repetition_penalty for p in pp], device)
                            if any(p.repetition_penalty != 1.0 for p in pp) else None)

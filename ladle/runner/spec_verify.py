@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from ladle.outputs import Logprob
 from ladle.runner.payload import ChunkSpec
@@ -33,6 +34,25 @@ def row_owners(specs: Sequence[ChunkSpec]) -> list[int]:
     return [i for i, s in enumerate(specs) for _ in range(len(s.draft_token_ids) + 1)]
 
 
+def count_drafts(counts: torch.Tensor, penalized_rows: list[int], specs: Sequence[ChunkSpec]) -> None:
+    """Penalties at a draft position count the drafts before it as output, as they would be had the plain run
+    generated them: counts [penalized rows, vocab] (the output so far, gathered for this step) gains, in the
+    row of each penalized sampling row, the drafts its position follows."""
+    owner, offset = [], []
+    for s in specs:
+        for j in range(len(s.draft_token_ids) + 1):
+            owner.append(s)
+            offset.append(j)
+    rows, tokens = [], []
+    for i, r in enumerate(penalized_rows):
+        drafts = owner[r].draft_token_ids[: offset[r]]
+        rows += [i] * len(drafts)
+        tokens += drafts
+    if rows:
+        index = (torch.tensor(rows, device=counts.device), torch.tensor(tokens, device=counts.device))
+        counts.index_put_(index, torch.ones(len(rows), dtype=counts.dtype, device=counts.device), accumulate=True)
+
+
 def accept(specs: Sequence[ChunkSpec], token_ids: list[int],
            logprobs: list[dict[int, Logprob] | None]) -> list[Verified]:
     """Per spec, (its token, its logprobs, the accepted drafts before it with their logprobs). A FAILED sample
@@ -48,3 +68,21 @@ def accept(specs: Sequence[ChunkSpec], token_ids: list[int],
                     tuple((token_ids[row + j], logprobs[row + j]) for j in range(a))))
         row += len(drafts) + 1
     return out
+
+
+@torch.inference_mode()
+def roll_back_states(states: list[torch.Tensor], specs: Sequence[ChunkSpec], verified: list[Verified],
+                     slots: list[int], draft_rows: tuple[int, int]) -> None:
+    """A model with state layers: a row that accepted a of its d drafts takes back its state after its first
+    1 + a tokens (draft row a: first + slot * k + a, where its layers kept it); one that accepted all keeps what
+    its last token left in its slot. states: every state tensor, [rows, ...] each."""
+    first, k = draft_rows
+    dst, src = [], []
+    for s, (_, _, accepted), slot in zip(specs, verified, slots):
+        if len(accepted) < len(s.draft_token_ids):
+            dst.append(slot)
+            src.append(first + slot * k + len(accepted))
+    if dst:
+        rows_to, rows_from = (torch.tensor(x, device=states[0].device) for x in (dst, src))
+        for tensor in states:
+            tensor[rows_to] = tensor[rows_from]

@@ -36,6 +36,9 @@ class StepBatch:
     # Each request's drafts among its new tokens (speculative decoding): its last 1 + drafts positions are
     # sampled, not only its last (None: no request has drafts).
     num_drafts: list[int] | None = None
+    # With drafts on a model with state layers: the state rows where each request's state after each of its
+    # first num_drafts new tokens goes (a rejected draft rolls back to one of them).
+    draft_rows: list[tuple[int, ...]] | None = None
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk]) -> "StepBatch":

@@ -36,6 +36,7 @@ class StepLayout:
     sampled_rows: tuple[int, ...]  # [N]: which request each logits row is
     start_pos: list[int] | None  # [S] for state metadata; None once padded (graphs hold no state groups)
     state_slots: list[int] | None
+    draft_rows: list[tuple[int, ...]] | None = None  # StepBatch.draft_rows, for state metadata
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +124,7 @@ def _chunk_layout(batch: StepBatch, block_size: int, compressions: tuple[tuple[i
              for t, comp in zip(tables, compressions)]
     logits, sampled = _sampled(cu, np.array(batch.sample, dtype=bool), batch.num_drafts)
     return StepLayout(batch.token_ids, positions, cu, context, tuple(batch.num_tokens), slots, tables,
-                      logits, sampled, batch.start_pos, batch.state_slots)
+                      logits, sampled, batch.start_pos, batch.state_slots, batch.draft_rows)
 
 
 def _sampled(cu: np.ndarray, sample: np.ndarray, num_drafts: list[int] | None) -> tuple[np.ndarray, tuple[int, ...]]:

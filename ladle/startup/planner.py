@@ -32,6 +32,7 @@ class PlanInputs:
     graph_bytes: int = 0  # the CUDA graphs' private memory pool, held apart from eager steps' activations
     windows: tuple[int | None, ...] = (None,)  # each KV cache group's sliding window (None: full attention)
     state_bytes: int = 0  # state layers' slots, one per running request (max_num_seqs x bytes per request)
+    state_draft_positions: int = 0  # speculative decoding: more state rows per running request, one per draft
     compressions: tuple[tuple[int, int], ...] = ()  # each group's (tokens per entry, block scale); () all (1, 1)
     penalty_bytes: int = 0  # the sampler's penalty counts: a vocabulary-wide row per running request
     num_checkpoints: int = 0  # state checkpoints for prefix hits (models with per-request state)
@@ -140,7 +141,9 @@ class MemoryPlan:
             f"{self.max_num_batched_tokens} tokens at context {self.max_model_len})",
             *(graphs if i.graph_bytes else []),
             *([f"state slots       {i.state_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} slots, one per running "
-               f"request, {format_bytes(i.state_bytes // i.max_num_seqs)} each)"] if i.state_bytes else []),
+               f"request, {format_bytes(i.state_bytes // i.max_num_seqs // (1 + i.state_draft_positions))} each"
+               + (f"; and {i.state_draft_positions} per request for the states after its drafts"
+                  if i.state_draft_positions else "") + ")"] if i.state_bytes else []),
             *([f"state checkpoints {i.num_checkpoints * i.checkpoint_bytes / MiB:10.1f} MiB  ({i.num_checkpoints} x "
                f"{format_bytes(i.checkpoint_bytes)}, for prefix hits)"] if i.num_checkpoints else []),
             *([f"penalty counts    {i.penalty_bytes / MiB:10.1f} MiB  ({i.max_num_seqs} rows of the vocabulary, "

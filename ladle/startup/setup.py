@@ -89,22 +89,29 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int) -> 
     return 0
 
 
-def resolve_speculative(args: EngineArgs, prov: Provenance, layout: KVCacheLayout) -> SpeculativeConfig | None:
-    """The speculative config, refused where verification could not be exact yet: rejected drafts are undone
-    by leaving their KV behind to be written over, which a layer that folds each token into a per-request state
-    (Gated DeltaNet, DeepSeek-V4's compressors) cannot do without a state checkpoint per position."""
+def resolve_speculative(args: EngineArgs, prov: Provenance, layout: KVCacheLayout,
+                        device: torch.device) -> SpeculativeConfig | None:
+    """The speculative config, refused where verification could not be exact yet. Rejected drafts are undone by
+    leaving their KV behind to be written over; a layer that folds each token into a per-request state (Gated
+    DeltaNet, DeepSeek-V4's compressors) instead keeps its state after each draft in rows of its own, which the
+    CUDA Gated DeltaNet kernel does not do yet."""
     spec = parse_speculative_config(args.speculative_config)
     if spec is None:
         prov.put("speculative_config", "off")
         return None
-    folded = [g.spec.kind for g in layout.state_groups] + [
-        f"compressed KV (rate {g.spec.compress_rate})" for g in layout.groups if g.spec.compress_rate > 1]
-    if folded:
-        raise ValueError(f"speculative_config cannot be used with this model yet: its {folded[0]} layers fold each "
-                         "token into per-request state, and undoing a rejected draft there needs a state "
-                         "checkpoint per draft position, which ladle does not take yet; drop speculative_config")
+    deltanet = [g.spec.kind for g in layout.state_groups if "deltanet" in g.spec.kind]
+    if deltanet and device.type != "cpu":
+        raise ValueError(f"speculative_config cannot be used with this model on {device.type} yet: its "
+                         f"{deltanet[0]} layers keep the state after each draft in the torch path only (the CUDA "
+                         "kernel returns the last state alone); drop speculative_config")
     prov.put("speculative_config", spec.describe())
     return spec
+
+
+def draft_rows_per_request(layout: KVCacheLayout, spec: SpeculativeConfig | None) -> int:
+    """State rows a running request holds beyond its slot: one per draft position on a model with state layers
+    (a rejected draft rolls the state back to the row after the last accepted one)."""
+    return spec.num_speculative_tokens if spec is not None and layout.state_groups else 0
 
 
 def _graph_limit(prov: Provenance, graph_batch: int, why: str) -> int:
@@ -134,15 +141,18 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
     # A model with state layers keeps one state slot per running request, then its checkpoints (the plan
     # reserved them).
     slots = cfg.max_num_seqs if layout.state_groups else 0
+    # Speculative decoding on such a model: after them, k rows per slot for the states after each draft.
+    drafts = draft_rows_per_request(layout, cfg.speculative)
     caches = allocate_kv_caches(layout, layout.num_layers, cfg.num_kv_blocks, cfg.device,
-                                slots + cfg.num_state_checkpoints)
+                                slots * (1 + drafts) + cfg.num_state_checkpoints)
     tails = allocate_checkpoint_tails(layout, cfg.num_state_checkpoints, cfg.device)
     # Room for every running request, and as many again for preempted ones coming back; one per group.
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
     return runner_cls(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
-                      cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots, **extra)
+                      cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
+                      draft_rows=(slots + cfg.num_state_checkpoints, drafts), **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -225,7 +235,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     for group in layout.groups:
         select_backend(device, group.spec, backend)  # fails now, with the reason, if a group has no backend here
 
-    speculative = resolve_speculative(args, prov, layout)
+    speculative = resolve_speculative(args, prov, layout, device)
     points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend, tp)
     # A decode row with k drafts samples k + 1 positions: the logits and sampling rows a step may hold.
     activation = fit_activation_model(points, args.max_num_seqs * (1 + (speculative.num_speculative_tokens
@@ -237,9 +247,10 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     graph_bytes = activation.predict_decode(graph_batch) if graph_batch else 0
     if graph_mode == "FULL":
         graph_bytes = max(graph_bytes, activation.predict(graph_batch, context))
+    drafts = draft_rows_per_request(layout, speculative)
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
-                        args.max_num_seqs * layout.state_bytes_per_request, layout.compressions,
+                        args.max_num_seqs * (1 + drafts) * layout.state_bytes_per_request, drafts, layout.compressions,
                         args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
                         layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model))
     typed = {name: getattr(args, name) for name in

@@ -179,6 +179,13 @@ class StructuredOutputManager:
         if gate is not None:
             gate.fed -= num_tokens
 
+    def can_draft(self, request_id: str) -> bool:
+        """Whether drafts can be checked against the grammar and taken back: its matcher is ready and holds (no
+        thinking block may still come, across whose end no rollback goes)."""
+        gate = self._gates.get(request_id)
+        m = self._matchers.get(request_id)
+        return m is not None and not m.is_error() and (gate is None or gate.state is Gate.ENFORCED)
+
     def forced_tokens(self, request_id: str) -> list[int]:
         """The tokens the grammar forces next (its only legal continuation), for a drafter to propose; none
         while a thinking block may still come."""
