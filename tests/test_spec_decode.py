@@ -20,6 +20,16 @@ def spec(k: int, **extra) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2, **extra}
 
 
+def drafting(llm: LLM) -> LLM:
+    """llm drafting every proposal: its gate prices drafts by measured step times, so which rows draft would
+    depend on the machine's load, and these tests check what verification makes of drafts (the gate has tests
+    of its own, in test_spec_gate.py)."""
+    speculator = llm.engine.core.scheduler.speculator
+    speculator.arms.drafts_now = lambda rows: True
+    speculator.gate.allows = lambda request_id, k, rows: k
+    return llm
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_qwen3_dir):
     return LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
@@ -58,7 +68,7 @@ def test_propose_takes_the_longest_suffix_at_its_earliest_occurrence():
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_tokens_equal_the_plain_run_and_hf(k, tiny_qwen3_dir, hf_qwen3, copy_prompts, plain_greedy):
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, max_prefill_length=19, speculative_config=spec(k))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, max_prefill_length=19, speculative_config=spec(k)))
     assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
     s = llm.stats
     assert s.spec_decode_num_accepted_tokens > 0 and s.spec_decode_num_draft_tokens > s.spec_decode_num_accepted_tokens
@@ -69,17 +79,17 @@ def test_greedy_tokens_equal_the_plain_run_and_hf(k, tiny_qwen3_dir, hf_qwen3, c
 
 def test_preemption_and_prefix_hits_keep_the_tokens(tiny_qwen3_dir, copy_prompts, plain_greedy):
     # 86 tokens + 32 = 8 blocks a request: 14 blocks admit two, which then outgrow them (preempting the newer).
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=14, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=14, speculative_config=spec(3)))
     assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
     assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 14
-    roomy = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    roomy = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
     assert ladle_tokens(roomy, copy_prompts, GREEDY) == plain_greedy
     assert ladle_tokens(roomy, copy_prompts, GREEDY) == plain_greedy  # the second time from the prefix cache
     assert roomy.stats.prefix_cache_hits > 0 and roomy.stats.spec_decode_num_accepted_tokens > 0
 
 
 def test_an_abort_mid_decode_leaves_the_others_as_they_were(tiny_qwen3_dir, copy_prompts, plain_greedy):
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5)))
     engine = llm.engine
     for i, p in enumerate(copy_prompts):
         engine.add_request(str(i), None, p, GREEDY)
@@ -98,7 +108,7 @@ def test_an_abort_mid_decode_leaves_the_others_as_they_were(tiny_qwen3_dir, copy
 
 
 def test_seeded_rows_draw_the_same_tokens_with_drafts(plain, tiny_qwen3_dir, copy_prompts):
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
     for params in (SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True),
                    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=9, max_tokens=32,
                                   ignore_eos=True)):
@@ -119,7 +129,7 @@ def _chi_square_p(a: Counter, b: Counter) -> float:
 def test_unseeded_random_rows_sample_the_same_distribution(plain, tiny_qwen3_dir, copy_prompts):
     """Many unseeded samples of the first three tokens after a copy prompt (a few candidates each, top_k=3):
     their joint distribution with drafts is the plain one's (and the test can tell two that differ)."""
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3)))
     prompt = {"prompt_token_ids": copy_prompts[0]}
     params = SamplingParams(n=600, temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
 
@@ -135,7 +145,7 @@ def test_unseeded_random_rows_sample_the_same_distribution(plain, tiny_qwen3_dir
 
 def test_logprobs_are_the_target_models(plain, tiny_qwen3_dir, copy_prompts):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
     got = llm.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
     want = plain.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
     assert llm.stats.spec_decode_num_accepted_tokens > 0
@@ -147,11 +157,12 @@ def test_logprobs_are_the_target_models(plain, tiny_qwen3_dir, copy_prompts):
 
 
 def test_stops_hold_at_every_accepted_token(plain, tiny_qwen3_dir, copy_prompts, plain_greedy):
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5)))
     for i, (prompt, full) in enumerate(zip(copy_prompts, plain_greedy)):
         stop = full[7 + i]
         for params in (SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop]),
-                       SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop], min_tokens=full.index(stop) + 1),
+                       SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop],
+                                      min_tokens=full.index(stop) + 1),
                        SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True)):
             want = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
             got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
@@ -163,7 +174,7 @@ def test_stops_hold_at_every_accepted_token(plain, tiny_qwen3_dir, copy_prompts,
 def test_penalties_count_the_drafts_before_each_position(plain, tiny_qwen3_dir, copy_prompts):
     """A penalized row's position j sees the drafts before it as output (as the plain run would have them): the
     tokens equal the plain run's for each kind of penalty, greedy and seeded."""
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
     prompts = [{"prompt_token_ids": p} for p in copy_prompts]
     kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=0.6), {}]
     for extra in (dict(temperature=0), dict(temperature=0.8, seed=11)):
@@ -210,7 +221,7 @@ def test_settings_are_read_shown_or_refused(tiny_qwen3_dir):
 
 def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_prompts, plain_greedy):
     # A budget that prefills all five at once, so five run until they all finish together.
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3, disable_by_batch_size=1))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=512, speculative_config=spec(3, disable_by_batch_size=1)))
     assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
     drafts = llm.stats.spec_decode_num_drafts
     assert ladle_tokens(llm, copy_prompts[:1], GREEDY) == plain_greedy[:1]
@@ -221,7 +232,7 @@ def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_pr
 def test_tensor_parallel_2_verifies_drafts_on_every_rank(tiny_qwen3_dir, copy_prompts, plain_greedy):
     """Rank 1 builds the same chunks from the drafts in the step's plain specs, so the tokens stay the plain
     run's."""
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, tensor_parallel_size=2, speculative_config=spec(3))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, tensor_parallel_size=2, speculative_config=spec(3)))
     try:
         assert ladle_tokens(llm, copy_prompts, GREEDY) == plain_greedy
         assert llm.stats.spec_decode_num_accepted_tokens > 0

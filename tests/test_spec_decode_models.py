@@ -10,7 +10,7 @@ import torch
 
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
-from test_spec_decode import GREEDY, spec
+from test_spec_decode import GREEDY, drafting, spec
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,8 @@ def test_other_families_keep_their_tokens(family, moe_dir, tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=24,
         max_position_embeddings=32768, tie_word_embeddings=False, seed=4)
     prompts, want = _copy_prompts_for(path)
-    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024, speculative_config=spec(4))
+    llm = drafting(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=1024,
+                       speculative_config=spec(4)))
     assert ladle_tokens(llm, prompts, GREEDY) == want
     assert llm.stats.spec_decode_num_accepted_tokens > 0
     kv = llm.engine.core.kv
@@ -66,8 +67,8 @@ def test_qwen3_5_rolls_its_state_back_to_the_last_accepted_draft(k, qwen3_5_dir)
     """A Gated DeltaNet state folds in every draft; a rejected one is undone by taking back the state kept after
     the last accepted token. Tokens equal the plain run's and HF's, chunked, preempted and from prefix hits."""
     prompts, want = _copy_prompts_for(qwen3_5_dir)
-    llm = LLM(qwen3_5_dir, max_num_batched_tokens=64, max_prefill_length=19, max_model_len=1024,
-              speculative_config=spec(k))
+    llm = drafting(LLM(qwen3_5_dir, max_num_batched_tokens=64, max_prefill_length=19, max_model_len=1024,
+                       speculative_config=spec(k)))
     assert ladle_tokens(llm, prompts, GREEDY) == want
     s = llm.stats
     assert s.spec_decode_num_accepted_tokens > 0
@@ -81,8 +82,8 @@ def test_qwen3_5_rolls_its_state_back_to_the_last_accepted_draft(k, qwen3_5_dir)
         hf = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32).eval()
         assert want == [hf_greedy(hf, p, 32) for p in prompts]
         # 220-token prompts + 32 = 16 blocks each: 30 admit two, which outgrow them.
-        tight = LLM(qwen3_5_dir, max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=1024,
-                    speculative_config=spec(k))
+        tight = drafting(LLM(qwen3_5_dir, max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=1024,
+                             speculative_config=spec(k)))
         assert ladle_tokens(tight, prompts, GREEDY) == want and tight.stats.num_preemptions > 0
 
 
@@ -92,7 +93,7 @@ def test_constrained_rows_draft_what_the_grammar_forces_and_keep_their_tokens(pl
     from ladle.sampling_params import StructuredOutputsParams as SO
     from structured_corpus import SCHEMAS
 
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(4))
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(4)))
     modes = [dict(temperature=0), dict(temperature=1.0, seed=5), dict(temperature=0, frequency_penalty=0.5)]
     params = [SamplingParams(max_tokens=120, structured_outputs=SO(json=schema), **modes[i % len(modes)])
               for i, schema in enumerate(SCHEMAS)]
@@ -101,7 +102,8 @@ def test_constrained_rows_draft_what_the_grammar_forces_and_keep_their_tokens(pl
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want
     s = llm.stats
-    assert s.spec_decode_num_accepted_tokens > 100 and s.spec_decode_num_draft_tokens >= s.spec_decode_num_accepted_tokens
+    assert s.spec_decode_num_accepted_tokens > 100
+    assert s.spec_decode_num_draft_tokens >= s.spec_decode_num_accepted_tokens
 
 
 SW, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -124,8 +126,8 @@ def test_deepseek_v4_rolls_its_compressors_back_to_the_last_accepted_draft(mix, 
                             seed=2)
     prompts, want = _copy_prompts_for(path)
     for k in (1, 3, 5):
-        llm = LLM(path, max_num_batched_tokens=64, max_prefill_length=19, num_kv_blocks=256, max_model_len=1024,
-                  speculative_config=spec(k))
+        llm = drafting(LLM(path, max_num_batched_tokens=64, max_prefill_length=19, num_kv_blocks=256,
+                           max_model_len=1024, speculative_config=spec(k)))
         assert ladle_tokens(llm, prompts, GREEDY) == want
         s = llm.stats
         assert s.spec_decode_num_accepted_tokens > 0
