@@ -10,6 +10,7 @@ from torch import nn
 
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kernels import cpu_kernels
+from ladle.models.huge_pages import move_weights_to_huge_pages
 from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
@@ -146,6 +147,7 @@ def load_model(
 
     if device.type == "cpu":
         model.lay_out_for_cpu()
+        move_weights_to_huge_pages(model)
     return model.requires_grad_(False).eval(), config
 
 
