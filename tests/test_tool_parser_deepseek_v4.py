@@ -12,7 +12,7 @@ import llguidance
 import llguidance.hf as llguidance_hf
 import pytest
 
-from tool_format_checks import assert_whole_and_streamed_agree
+from tool_format_checks import assert_arguments_only_grow, assert_whole_and_streamed_agree
 from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
 from ladle.entrypoints.openai.tool_parsers.deepseek_v4 import BLOCK, BLOCK_END, D, DeepSeekV4Format
 
@@ -79,20 +79,7 @@ def test_arguments_only_grow_and_end_as_json(text):
     region = text[text.find(BLOCK):]
     end = FMT.region_end(region)
     region = region if end is None else region[:end]
-    seen: dict[int, list[str]] = {}
-    for i in range(len(BLOCK), len(region) + 1):
-        got = FMT.progress(region[:i], TOOLS, final=False)
-        assert got is not None
-        for j, call in enumerate(got):
-            assert call.name
-            past = seen.setdefault(j, [])
-            assert not past or call.arguments.startswith(past[-1])
-            past.append(call.arguments)
-    final = FMT.progress(region, TOOLS, final=True)
-    assert final and all(c.done for c in final)
-    for j, call in enumerate(final):
-        assert call.arguments.startswith(seen[j][-1] if j in seen else "")
-        assert isinstance(json.loads(call.arguments), dict)
+    assert_arguments_only_grow(FMT, region, TOOLS, len(BLOCK))
 
 
 def test_arguments_stream_one_whole_parameter_at_a_time():

@@ -12,7 +12,7 @@ import llguidance
 import llguidance.hf as llguidance_hf
 import pytest
 
-from tool_format_checks import assert_whole_and_streamed_agree
+from tool_format_checks import assert_arguments_only_grow, assert_whole_and_streamed_agree
 from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
 from ladle.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonFormat
 
@@ -59,19 +59,7 @@ def test_whole_and_streamed_agree(text, content, calls):
 def test_arguments_only_grow_and_end_as_json(text):
     end = FMT.region_end(text)
     region = text if end is None else text[:end]
-    seen: dict[int, list[str]] = {}
-    for i in range(len(region) + 1):
-        got = FMT.progress(region[:i], TOOLS, final=False)
-        assert got is not None
-        for j, call in enumerate(got):
-            past = seen.setdefault(j, [])
-            assert call.name and (not past or call.arguments.startswith(past[-1]))
-            past.append(call.arguments)
-    final = FMT.progress(region, TOOLS, final=True)
-    assert final and all(c.done for c in final)
-    for j, call in enumerate(final):
-        assert call.arguments.startswith(seen[j][-1] if j in seen else "")
-        assert isinstance(json.loads(call.arguments), dict)
+    assert_arguments_only_grow(FMT, region, TOOLS)
 
 
 def test_arguments_stream_as_the_model_writes_them():

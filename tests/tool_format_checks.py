@@ -34,3 +34,21 @@ def assert_whole_and_streamed_agree(fmt: ToolFormat, text: str, content: str, ca
     assert s_content == content
     assert [(n, json.loads(a)) for n, a in s_calls] == calls
     assert [c.arguments for c in stream_calls] == [c.arguments for c in got_calls]
+
+
+def assert_arguments_only_grow(fmt: ToolFormat, region: str, tools: Tools, first: int = 0) -> None:
+    """Fed region[:i] for each i from `first`, every call the format reads has its name, and its arguments only
+    grow; the final parse ends every call, its arguments a JSON object the last partial ones began."""
+    seen: dict[int, list[str]] = {}
+    for i in range(first, len(region) + 1):
+        got = fmt.progress(region[:i], tools, final=False)
+        assert got is not None
+        for j, call in enumerate(got):
+            past = seen.setdefault(j, [])
+            assert call.name and (not past or call.arguments.startswith(past[-1]))
+            past.append(call.arguments)
+    final = fmt.progress(region, tools, final=True)
+    assert final and all(c.done for c in final)
+    for j, call in enumerate(final):
+        assert call.arguments.startswith(seen[j][-1] if j in seen else "")
+        assert isinstance(json.loads(call.arguments), dict)
