@@ -108,6 +108,7 @@ class RunnerRequests:
     def step_batch(self, specs: list[ChunkSpec], placeholder_inputs: bool = False) -> StepBatch:
         """The step's columns; placeholder_inputs: every request's one input token is still on the device."""
         reqs = [self.requests[s.request_id] for s in specs]
+        drafts = None  # a step of one token a row (every decode step without speculation) carries no drafts
         if placeholder_inputs:
             tokens = [0] * len(specs)
         elif all(s.num_tokens == 1 for s in specs):
@@ -116,10 +117,11 @@ class RunnerRequests:
             tokens = [t for r, s in zip(reqs, specs)
                       for t in (r.tokens(s.start_pos, s.num_tokens - len(s.draft_token_ids)) + list(s.draft_token_ids)
                                 if s.draft_token_ids else r.tokens(s.start_pos, s.num_tokens))]
-        drafts = [len(s.draft_token_ids) for s in specs]
+            counts = [len(s.draft_token_ids) for s in specs]
+            drafts = counts if any(counts) else None
         return StepBatch(tokens, [s.start_pos for s in specs], [s.num_tokens for s in specs],
                          [s.sample or placeholder_inputs for s in specs], [r.tables for r in reqs],
-                         [r.state_slot for r in reqs], drafts if any(drafts) else None)
+                         [r.state_slot for r in reqs], drafts)
 
     def tables(self, specs: list[ChunkSpec], block_size: int) -> tuple[torch.Tensor, ...] | None:
         """The step's rows of each group's block-table buffer, as wide as its longest context needs."""
