@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,9 +20,18 @@ pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768-60999 here): the ephemeral port this test once got
+    was taken by one of Ray's own processes before Ray Serve's proxy could bind it ("Address already in use")."""
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _alive(pid: int) -> bool:
