@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ladle"
 # Top floor first; a folder may import itself and anything on a floor after its own. Files in the package
 # root are the ground.
 FLOORS = [("entrypoints", "testing"), ("frontend", "serving"), ("engine",), ("structured_output",), ("executor",), ("startup",),
-          ("runner",), ("models",), ("quantization",), ("distributed",), ("attention",), ("kv_cache",), ("kernels",), ("",)]
+          ("runner",), ("models",), ("experts",), ("quantization",), ("distributed",), ("attention",), ("kv_cache",), ("kernels",), ("",)]
 
 
 def _module(path: Path) -> str:

@@ -68,7 +68,7 @@ class EngineCore:
                                  groups=layout.groups, num_state_slots=slots,
                                  num_checkpoints=cfg.num_state_checkpoints,
                                  checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size))
-        self.stats = EngineStats()
+        self.stats = EngineStats(experts=self.model_executor.expert_cache_stats())
         self.grammars = StructuredOutputManager(cfg.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(cfg, self.kv, self.stats, self.grammars)
         self.model_executor.capture_graphs()
@@ -158,19 +158,7 @@ class EngineCore:
         stats, kv = self.stats, self.kv
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks,
-            num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens, prefill_chunks=stats.num_prefill_chunks,
-            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            prefix_cache_hit_requests=stats.prefix_cache_hit_requests,
-            state_checkpoints_stored=stats.state_checkpoints_stored,
-            state_checkpoints_evicted=stats.state_checkpoints_evicted,
-            state_checkpoint_bytes=stats.state_checkpoint_bytes,
-            num_steps=stats.num_steps, steps_with_lent_cpus=stats.steps_with_lent_cpus,
-            spec_decode_num_drafts=stats.spec_decode_num_drafts,
-            spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
-        )
+            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks, **stats.counters())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._ahead is not None

@@ -47,6 +47,11 @@ class EngineSnapshot:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    moe_cache_hits: int = 0
+    moe_cache_misses: int = 0
+    moe_bytes_fetched: int = 0
+    moe_fetch_seconds: float = 0.0
+    moe_computed_in_place: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ladle.experts.cache import ExpertCacheStats
 
 # Per-step records kept for --profile and tests; a long-running server keeps only the latest ones.
 MAX_STEP_RECORDS = 100_000
@@ -16,6 +19,7 @@ class StepRecord:
     num_decodes: int
     num_preempted: int
     ms: float
+    moe_fetch_ms: float = 0.0  # tiered experts: time this step spent fetching experts into the device's slots
 
 
 @dataclass
@@ -47,6 +51,22 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Tiered MoE experts (ladle.experts): the cache's own counters, from the engine's start (None: no tiering).
+    experts: ExpertCacheStats | None = None
+    _fetch_seconds_seen: float = 0.0
+
+    def counters(self) -> dict[str, Any]:
+        """The counters a snapshot reports, by EngineSnapshot's names."""
+        names = ("num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+                 "prefix_cache_hit_requests", "state_checkpoints_stored", "state_checkpoints_evicted",
+                 "state_checkpoint_bytes", "num_steps", "steps_with_lent_cpus", "spec_decode_num_drafts",
+                 "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        out: dict[str, Any] = {n: getattr(self, n) for n in names} | {"prefill_chunks": self.num_prefill_chunks}
+        e = self.experts
+        if e is not None:
+            out |= {"moe_cache_hits": e.hits, "moe_cache_misses": e.misses, "moe_bytes_fetched": e.bytes_fetched,
+                    "moe_fetch_seconds": e.fetch_seconds, "moe_computed_in_place": e.computed_in_place}
+        return out
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:
@@ -54,6 +74,9 @@ class EngineStats:
         return 1 + self.spec_decode_num_accepted_tokens / max(1, self.spec_decode_num_drafts)
 
     def record(self, step: StepRecord) -> None:
+        if self.experts is not None:
+            step = replace(step, moe_fetch_ms=(self.experts.fetch_seconds - self._fetch_seconds_seen) * 1000)
+            self._fetch_seconds_seen = self.experts.fetch_seconds
         self.steps.append(step)
         self.num_steps += 1
         self.num_prefill_chunks += step.num_prefill_chunks

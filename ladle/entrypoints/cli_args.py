@@ -9,7 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
+from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, MOE_BACKINGS, MOE_STRATEGIES
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
@@ -91,6 +91,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=S,
                    help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (drafts verified in each decode step; the output is unchanged)')
+    p.add_argument("--moe-cache-size", type=int, default=S,
+                   help="MoE: routed-expert slots on the device, shared by all MoE layers; the rest live in "
+                        "--moe-backing (default: every expert resident, or derived when they do not fit)")
+    p.add_argument("--moe-cache-fraction", type=float, default=S,
+                   help="MoE: the expert cache as a share of all routed experts (instead of --moe-cache-size)")
+    p.add_argument("--moe-strategy", choices=MOE_STRATEGIES, default=S,
+                   help="tiered experts: offload (a miss is fetched into a slot), cpu (computed where it lives, "
+                        "nothing cached) or hybrid (per miss, from the costs measured at startup)")
+    p.add_argument("--moe-backing", choices=MOE_BACKINGS, default=S,
+                   help="where tiered experts live: host memory (default on CUDA, pinned) or mmap: read from the "
+                        "checkpoint's files when needed (default on CPU; a model larger than RAM runs)")
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -107,7 +118,8 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
                "cudagraph_mode", "async_scheduling", "load_format", "quantization", "dequantize_weights", "profile_cache",
                "num_threads", "attention_backend",
-               "tensor_parallel_size", "speculative_config", "seed")
+               "tensor_parallel_size", "speculative_config", "moe_cache_size", "moe_cache_fraction",
+               "moe_strategy", "moe_backing", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],

@@ -13,6 +13,8 @@ from ladle.config import EngineArgs
 from ladle.startup.engine_config import EngineConfig
 from ladle.runner.model_runner import ModelRunner, PendingStep, SampledToken
 from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.experts.cache import ExpertCacheStats
+from ladle.startup.expert_tiers import expert_cache_of
 from ladle.startup.setup import Loaded, build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
@@ -48,6 +50,14 @@ class Executor:
                     "tokens in %.1f s: %.1f MiB (plan reserved %.1f MiB)", cfg.max_cudagraph_capture_size,
                     mixed, time.perf_counter() - start, self.graph_memory_bytes / 2**20,
                     cfg.plan.inputs.graph_bytes / 2**20)
+
+    def expert_cache_stats(self) -> ExpertCacheStats | None:
+        """Tiered experts: the cache's counters, from zero now (startup's profiling not counted)."""
+        cache = expert_cache_of(self.runner.model)
+        if cache is None:
+            return None
+        cache.stats = ExpertCacheStats()
+        return cache.stats
 
     def apply(self, update: StateUpdate) -> None:
         """The engine's news of its requests since the last step."""

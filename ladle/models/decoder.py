@@ -208,6 +208,7 @@ def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     parameter a module's checkpoint_views gives; returns the targets fully loaded (a stacked one once every
     tensor it holds arrived). Raises on a name with no target or a shape mismatch."""
     views = checkpoint_views(model)
+    targets = {**targets, **tiered_targets(model)}
     parts_loaded: dict[str, set[str]] = {}
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -234,6 +235,16 @@ def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     for name, (target, _) in views.items():
         expected.setdefault(target, set()).add(name)
     return loaded | {t for t, names in expected.items() if parts_loaded.get(t) == names}
+
+
+def tiered_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The host tensors of experts tiered in host memory, by the parameter names they stand for."""
+    table: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        targets = getattr(module, "tiered_targets", None)
+        if callable(targets) and prefix:
+            table.update(targets(prefix))
+    return table
 
 
 def checkpoint_views(model: nn.Module) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
+from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.kernels import cpu_kernels
+from ladle.models.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
 from ladle.models.huge_pages import move_weights_to_huge_pages
 from ladle.models.cpu_ops import CpuOps
 from ladle.models.layers import RotaryEmbedding
@@ -54,10 +56,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {model_dir}")
 
 
-def iter_weights(files: list[str], slices: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(files: list[str], slices: dict | None = None,
+                 skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model. slices: a
     tensor-parallel rank's part of each sharded tensor (ladle.models.tensor_parallel.Slices), read alone from
-    the file; a None slice skips the tensor."""
+    the file; a None slice skips the tensor, as does a name in skip (experts read from the files when needed)."""
     from safetensors import SafetensorError, safe_open
 
     slices = slices or {}
@@ -65,6 +68,8 @@ def iter_weights(files: list[str], slices: dict | None = None) -> Iterator[tuple
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if name in skip:
+                        continue
                     if name not in slices:
                         yield name, f.get_tensor(name)
                     elif (part := slices[name]) is not None:
@@ -93,11 +98,13 @@ def load_config(model_dir: str) -> Any:
 def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
     config: Any = None, tp: TensorParallel = SINGLE, dequantize: bool = False,
+    tiering: Callable[[ExpertInventory | None], ExpertTiering | None] | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
     config.json). With tp of several ranks, only rank tp.rank's shard is built and read. dequantize: a
-    quantized checkpoint's layers are widened to dtype once loaded."""
+    quantized checkpoint's layers are widened to dtype once loaded. tiering: given the model's routed experts
+    (ladle.experts.tiering), says whether and how they leave the device (the setting resolved by the caller)."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
@@ -126,6 +133,13 @@ def load_model(
                                  "checkpoint is FP8 e4m3")
             if slices is not None:
                 slices = with_scale_slices(slices, quant.block, dtypes)
+    tiered = tiering(expert_inventory(model, config, dtype)) if tiering is not None else None
+    skip: set[str] = set()
+    if tiered is not None:
+        if tp.world_size > 1 or dequantize:
+            raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with "
+                             f"{'tensor_parallel_size > 1' if tp.world_size > 1 else 'dequantize_weights'} yet")
+        skip = tier_experts(model, tiered, dtype, device, files, renames)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
     for module in model.modules():
@@ -134,9 +148,10 @@ def load_model(
 
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+        fill_dummy_experts(model, torch.Generator().manual_seed(seed + 1))
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
-        named = ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices))
+        named = ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip))
         loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in named)
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:

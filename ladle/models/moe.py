@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ladle.experts.tiered import TieredExperts
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers import GatedMLP
@@ -49,6 +50,7 @@ class FusedMoE(OpsModule):
         self.scale_block = (1, 1)
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
+        self.tiered: TieredExperts | None = None  # set by ladle.experts.apply: the experts live off the device
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer
@@ -97,15 +99,26 @@ class FusedMoE(OpsModule):
         del self.w13_scale_inv, self.w2_scale_inv
         self.keep_dtypes, self.weight_format, self.scale_block = (), None, (1, 1)
 
-    def _stacks(self, dtype: torch.dtype) -> tuple[Any, Any]:
-        """(w13, w2) indexable by expert in dtype: the parameters, or views widening one expert when asked."""
+    def expert_names(self) -> tuple[str, ...]:
+        """The stacked tensors that hold the experts (tiering moves them off the module)."""
+        return ("w13", "w2", "w13_scale_inv", "w2_scale_inv") if self.weight_format else ("w13", "w2")
+
+    def _stacks(self, dtype: torch.dtype, tensors: dict[str, torch.Tensor] | None = None) -> tuple[Any, Any]:
+        """(w13, w2) indexable by expert in dtype: the parameters (or the given tensors of the same names),
+        or views widening one expert when asked."""
+        t = tensors if tensors is not None else {name: getattr(self, name) for name in self.expert_names()}
         if self.weight_format == "fp8":
-            return (Fp8ExpertStack(self.w13, self.w13_scale_inv, self.scale_block, dtype, self.kernels, self.buffer),
-                    Fp8ExpertStack(self.w2, self.w2_scale_inv, self.scale_block, dtype, self.kernels, self.buffer))
+            return (Fp8ExpertStack(t["w13"], t["w13_scale_inv"], self.scale_block, dtype, self.kernels, self.buffer),
+                    Fp8ExpertStack(t["w2"], t["w2_scale_inv"], self.scale_block, dtype, self.kernels, self.buffer))
         if self.weight_format == "mxfp4":
-            return (Mxfp4ExpertStack(self.w13, self.w13_scale_inv, dtype, self.kernels, self.buffer),
-                    Mxfp4ExpertStack(self.w2, self.w2_scale_inv, dtype, self.kernels, self.buffer))
-        return self.w13, self.w2
+            return (Mxfp4ExpertStack(t["w13"], t["w13_scale_inv"], dtype, self.kernels, self.buffer),
+                    Mxfp4ExpertStack(t["w2"], t["w2_scale_inv"], dtype, self.kernels, self.buffer))
+        return t["w13"], t["w2"]
+
+    def tiered_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tiered in host memory: the host tensors the loader fills, by the parameter names they replace."""
+        tensors = getattr(self.tiered.backing, "tensors", {}) if self.tiered is not None else {}
+        return {f"{prefix}.{name}": t for name, t in tensors.items()}
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
@@ -125,6 +138,8 @@ class FusedMoE(OpsModule):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> [T, H]."""
+        if self.tiered is not None:
+            return self.tiered.forward(x, weights, ids, self.swiglu_limit, self._stacks)
         w13, w2 = self._stacks(x.dtype)  # quantized: each routed expert widened when the step reaches it
         return self.ops.fused_experts(x, w13, w2, weights, ids, self.swiglu_limit)
 

@@ -5,13 +5,13 @@ HF-exact oracle, on CPU) or the fused Triton kernels (CUDA). Modules that use th
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import StateMetadata
+from ladle.experts.compute import each_expert, expert_mlp
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,28 +55,9 @@ class TorchOps:
     @staticmethod
     def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-        """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and ids [T, k] -> [T, H]: the step's tokens grouped
-        by expert, one matmul pair per expert that has tokens, the weighted results added in expert order
-        (as HF transformers does, so fp32 outputs match it)."""
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-        flat_weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            start += n
-            tokens = pairs // top_k
-            gate, up = _expert_linear(x[tokens], w13, expert).chunk(2, dim=-1)
-            if swiglu_limit is not None:  # DeepSeek-V4 clamps both halves
-                gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
-            h = _expert_linear(F.silu(gate) * up, w2, expert) * flat_weights[pairs, None]
-            out.index_add_(0, tokens, h)
-        return out
+        """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and ids [T, k] -> [T, H]."""
+        return each_expert(x, weights, ids, w13.shape[0],
+                           lambda rows, expert: expert_mlp(rows, w13, w2, expert, swiglu_limit))
 
     @staticmethod
     def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -84,12 +65,6 @@ class TorchOps:
         from ladle.models.delta_rule import torch_gated_delta_rule
 
         return torch_gated_delta_rule(q, k, v, g, beta, rec_state, meta)
-
-
-def _expert_linear(x: torch.Tensor, stack: Any, expert: int) -> torch.Tensor:
-    """x @ stack[expert]^T, by the stack's own product where it has one (packed MXFP4 read in C)."""
-    linear = getattr(stack, "linear", None)
-    return linear(x, expert) if linear is not None else F.linear(x, stack[expert])
 
 
 class TritonOps:

@@ -135,7 +135,7 @@ def weights_format(model: nn.Module) -> str:
     layers: dict[str, int] = {}
     for module in model.modules():
         fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
-        if fmt is None:
+        if fmt is None or getattr(module, "tiered", None) is not None:  # tiered experts: the plan's own line
             continue
         tensors = ([module.weight, module.weight_scale_inv] if isinstance(module, Fp8Linear)
                    else [module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv])

@@ -18,6 +18,7 @@ from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
 from ladle.speculative_config import SpeculativeConfig, parse_speculative_config
+from ladle.startup.expert_tiers import calibrate_tiers, tiered_line, tiering_resolver
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
@@ -58,7 +59,8 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Modu
     dtype = layout.groups[0].spec.dtype
     key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
                                     token_counts=token_counts, rows=rows, attention_backend=backend,
-                                    tensor_parallel=(tp.rank, tp.world_size))
+                                    tensor_parallel=(tp.rank, tp.world_size),
+                                    tiered=getattr(prov.settings.get("tiered_experts"), "value", ""))
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
     # A measured peak can never exceed the device's memory, so that bounds a cached one.
     cached = profile_cache.load(key, profile_shapes(token_counts, context, rows),
@@ -208,11 +210,13 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
-                                  args.dequantize_weights)
+                                  args.dequantize_weights, tiering_resolver(args, prov, budget, device))
     lending = keep_lending(lending, model, prov)
     if model.cpu_kernels is not None and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    host_experts, tiered = tiered_line(model, device)
+    calibrate_tiers(model, prov, device, dtype)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + host_experts
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
@@ -226,6 +230,9 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if any(g.spec.compress_rate > 1 for g in layout.groups) and graph_batch:
         graph_batch = _graph_limit(prov, graph_batch, "compressed KV groups: the model builds their entries "
                                    "request by request from host copies, which a graph cannot replay")
+    if tiered and graph_batch:
+        graph_batch = _graph_limit(prov, graph_batch, "tiered experts: a step fetches the experts its tokens route "
+                                   "to, which a graph cannot replay")
     async_scheduling = bool(args.async_scheduling)
     if tp.world_size > 1:
         graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
@@ -252,7 +259,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
                         args.max_num_seqs * (1 + drafts) * layout.state_bytes_per_request, drafts, layout.compressions,
                         args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
-                        layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model))
+                        layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model),
+                        tiered)
     typed = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:

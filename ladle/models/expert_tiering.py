@@ -1,0 +1,145 @@
+"""Tiering a MoE model's routed experts at load, on meta, before any storage exists: each FusedMoE's stacked
+expert tensors leave the module for a backing tier (host tensors the loader fills, or the checkpoint files'
+locations, never read at load), and one ExpertCache of device slots, shared by every MoE layer, joins the model
+as buffers (so the weights the plan counts are what the device holds)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ladle.experts.backing import FileBacking, FilePart, HostBacking, TensorLocation, tensor_locations
+from ladle.experts.cache import ExpertCache
+from ladle.experts.tiered import MissPolicy, TieredExperts
+from ladle.experts.tiering import ExpertInventory, ExpertTiering
+from ladle.models.decoder import checkpoint_views
+from ladle.models.moe import FusedMoE
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _held_dtype(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> torch.dtype:
+    return dtype if t.is_floating_point() and not keep else t.dtype
+
+
+def _nbytes(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> int:
+    return t.numel() * torch.empty((), dtype=_held_dtype(t, keep, dtype)).element_size()
+
+
+def expert_layers(model: nn.Module) -> list[tuple[str, FusedMoE]]:
+    return [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FusedMoE)]
+
+
+def _expert_shapes(module: FusedMoE, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    keep = getattr(module, "keep_dtypes", ())
+    return {n: (tuple(getattr(module, n).shape[1:]), _held_dtype(getattr(module, n), n in keep, dtype))
+            for n in module.expert_names()}
+
+
+def expert_inventory(model: nn.Module, config: Any, dtype: torch.dtype) -> ExpertInventory | None:
+    """The model's routed experts and the rest, in bytes as they will be held (None: no routed experts)."""
+    layers = expert_layers(model)
+    if not layers:
+        return None
+    shapes = _expert_shapes(layers[0][1], dtype)
+    for prefix, m in layers:
+        if _expert_shapes(m, dtype) != shapes or m.num_experts != layers[0][1].num_experts:
+            raise ValueError(f"{prefix}'s experts differ in shape from {layers[0][0]}'s: tiered experts share one "
+                             "cache of equal slots")
+    total = 0
+    for module in model.modules():
+        keep = getattr(module, "keep_dtypes", ())
+        for name, t in (*module._parameters.items(), *module._buffers.items()):
+            if t is not None:
+                total += _nbytes(t, name in keep, dtype)
+    per_expert = sum(torch.empty((), dtype=d).element_size() * _numel(s) for s, d in shapes.values())
+    experts = layers[0][1].num_experts
+    return ExpertInventory(total - per_expert * experts * len(layers), per_expert, len(layers), experts,
+                           int(config.num_experts_per_tok))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, device: torch.device,
+                 files: list[str], renames: dict[str, str]) -> set[str]:
+    """Move every FusedMoE's experts to the tier (the model still on meta); returns the checkpoint names the
+    loader must not read (the experts a file backing reads when needed)."""
+    layers = expert_layers(model)
+    shapes = _expert_shapes(layers[0][1], dtype)
+    with torch.device("meta"):
+        cache = ExpertCache(tiering.cache_slots, shapes)
+    policy = MissPolicy(tiering.strategy)
+    stacks = {prefix: {n: getattr(m, n) for n in m.expert_names()} for prefix, m in layers}
+    parts, skip = (_file_parts(model, stacks, shapes, files, renames) if tiering.backing == "mmap"
+                   else ({}, set()))
+    pin = device.type == "cuda"
+    for layer, (prefix, m) in enumerate(layers):
+        for name in m.expert_names():
+            delattr(m, name)
+        if tiering.backing == "mmap":
+            backing: Any = FileBacking(_complete(prefix, parts.get(prefix, {}), m.num_experts, shapes), shapes)
+        else:
+            backing = HostBacking({n: torch.empty((m.num_experts, *s), dtype=d, pin_memory=pin)
+                                   for n, (s, d) in shapes.items()})
+        m.tiered = TieredExperts(layer, backing, cache, policy, m.num_experts)
+    model.expert_cache = cache
+    return skip
+
+
+def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
+                shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], files: list[str], renames: dict[str, str]) -> tuple[dict[str, dict[int, list[FilePart]]], set[str]]:
+    """Each tiered layer's expert parts found in the files: where each checkpoint tensor lies and which rows
+    of which expert's slot tensor it fills (from the view the layer's checkpoint_views gives, applied to the
+    meta stack)."""
+    views = checkpoint_views(model)
+    name_of = getattr(model, "checkpoint_name", lambda name: name)
+    parts: dict[str, dict[int, list[FilePart]]] = {}
+    skip: set[str] = set()
+    for raw, loc in tensor_locations(files).items():
+        target, view = views.get(name_of(renames.get(raw, raw)), ("", None))
+        prefix, _, param = target.rpartition(".")
+        stack = stacks.get(prefix, {}).get(param)
+        if stack is None or view is None:
+            continue
+        v = view(stack)
+        if tuple(v.shape) != loc.shape:
+            raise ValueError(f"{raw}: checkpoint shape {loc.shape} != expert tensor {tuple(v.shape)}")
+        expert, within = divmod(v.storage_offset(), stack.stride(0))
+        _check_dtype(raw, loc, shapes[param][1])
+        parts.setdefault(prefix, {}).setdefault(expert, []).append(FilePart(param, within // stack.stride(1), loc))
+        skip.add(raw)
+    return parts, skip
+
+
+def _check_dtype(raw: str, loc: TensorLocation, held: torch.dtype) -> None:
+    """Floats convert to the held dtype as the loader converts them; quantized bytes are kept as they are."""
+    floats = held in _FLOATS
+    if floats != (loc.dtype in _FLOATS) or (not floats and loc.dtype.itemsize != held.itemsize):
+        raise ValueError(f"{raw}: checkpoint dtype {loc.dtype} where the tiered expert holds {held}")
+
+
+def _complete(prefix: str, parts: dict[int, list[FilePart]], num_experts: int,
+              shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[list[FilePart]]:
+    """Every expert's parts, checked to cover each of its tensors' rows once."""
+    out = []
+    for j in range(num_experts):
+        mine = sorted(parts.get(j, []), key=lambda p: (p.name, p.row))
+        for name, (shape, _) in shapes.items():
+            rows = sum(p.location.shape[0] for p in mine if p.name == name)
+            if rows != shape[0]:
+                raise ValueError(f"the checkpoint holds {rows} of the {shape[0]} rows of {prefix} expert {j}'s {name}")
+        out.append(sorted(mine, key=lambda p: p.location.offset))
+    return out
+
+
+def fill_dummy_experts(model: nn.Module, generator: torch.Generator) -> None:
+    """load_format dummy: host-tiered experts drawn as init_dummy_weights draws parameters."""
+    for _, m in expert_layers(model):
+        for t in getattr(m.tiered.backing, "tensors", {}).values():
+            t.normal_(0.0, 0.02, generator=generator)
