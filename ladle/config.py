@@ -77,6 +77,7 @@ class EngineArgs:
     moe_cache_fraction: float | None = None
     moe_strategy: str | None = None  # offload | cpu | hybrid
     moe_backing: str | None = None  # host | mmap
+    moe_prefetch: bool | None = None  # fetch experts ahead on a worker thread; default: on CUDA only (measured)
     seed: int = 0
 
     @classmethod
@@ -174,6 +175,8 @@ class EngineArgs:
             raise ValueError("moe_cache_size and moe_cache_fraction both size the expert cache; give one of them")
         if self.moe_strategy is not None and self.moe_strategy not in MOE_STRATEGIES:
             raise ValueError(f"moe_strategy={self.moe_strategy!r}: choose one of {', '.join(MOE_STRATEGIES)}")
+        if self.moe_prefetch is not None and not isinstance(self.moe_prefetch, bool):
+            raise ValueError(f"moe_prefetch={self.moe_prefetch!r} is not a bool")
         if self.moe_backing is not None and self.moe_backing not in MOE_BACKINGS:
             raise ValueError(f"moe_backing={self.moe_backing!r}: choose one of {', '.join(MOE_BACKINGS)}")
 

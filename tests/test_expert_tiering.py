@@ -20,9 +20,11 @@ from ladle.testing.fp8_checkpoints import write_dsv4_release_checkpoint, write_f
 NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 TOP_K = 2  # every test model routes a token to 2 experts
-# (strategy, slots, backing): the smallest cache a token's experts fit in, a larger one, each strategy.
-TIERS = [("offload", TOP_K, "mmap"), ("offload", 5, "host"), ("hybrid", TOP_K, "host"), ("hybrid", 3, "mmap"),
-         ("cpu", None, "mmap"), ("cpu", None, "host")]
+# (strategy, slots, backing, prefetch): the smallest cache a token's experts fit in, a larger one, each strategy,
+# fetches on the step's thread and ahead on the fetch thread.
+TIERS = [("offload", TOP_K, "mmap", True), ("offload", 5, "host", False), ("offload", 3, "host", True),
+         ("hybrid", TOP_K, "host", True), ("hybrid", 3, "mmap", False), ("cpu", None, "mmap", None),
+         ("cpu", None, "host", None)]
 
 
 def _prompts(lens: list[int], seed: int) -> list[list[int]]:
@@ -30,8 +32,9 @@ def _prompts(lens: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(500) for _ in range(n)] for n in lens]
 
 
-def _tier_kwargs(strategy: str, slots: int | None, backing: str) -> dict:
-    return {"moe_strategy": strategy, "moe_backing": backing} | ({"moe_cache_size": slots} if slots else {})
+def _tier_kwargs(strategy: str, slots: int | None, backing: str, prefetch: bool | None) -> dict:
+    return ({"moe_strategy": strategy, "moe_backing": backing} | ({"moe_cache_size": slots} if slots else {})
+            | ({"moe_prefetch": prefetch} if prefetch is not None else {}))
 
 
 def _qwen3_moe(tmp: Path) -> str:
@@ -83,11 +86,12 @@ def resident(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list
         return path, prompts, ladle_tokens(llm, prompts, GREEDY)
 
 
-@pytest.mark.parametrize("strategy,slots,backing", TIERS)
-def test_tiered_greedy_equals_resident_under_chunked_prefill_and_prefix_hits(resident, strategy, slots, backing):
+@pytest.mark.parametrize("strategy,slots,backing,prefetch", TIERS)
+def test_tiered_greedy_equals_resident_under_chunked_prefill_and_prefix_hits(resident, strategy, slots, backing,
+                                                                              prefetch):
     path, prompts, want = resident
     with LLM(path, num_kv_blocks=128, max_num_batched_tokens=7, max_prefill_length=5,
-             **_tier_kwargs(strategy, slots, backing)) as llm:
+             **_tier_kwargs(strategy, slots, backing, prefetch)) as llm:
         assert ladle_tokens(llm, prompts, GREEDY) == want
         hits = llm.stats.prefix_cache_hits
         assert ladle_tokens(llm, prompts, GREEDY) == want and llm.stats.prefix_cache_hits > hits
@@ -97,16 +101,18 @@ def test_tiered_greedy_equals_resident_under_chunked_prefill_and_prefix_hits(res
             assert e.hits == e.bytes_fetched == 0 and e.computed_in_place == e.misses
         elif strategy == "offload":
             assert e.computed_in_place == 0 and e.bytes_fetched > 0 and e.fetch_seconds > 0
+        assert (e.prefetched > 0) == bool(prefetch)
 
 
-@pytest.mark.parametrize("strategy,slots,backing", [("offload", TOP_K, "mmap"), ("hybrid", 3, "host")])
-def test_tiered_greedy_equals_resident_under_preemption(resident, strategy, slots, backing):
+@pytest.mark.parametrize("strategy,slots,backing,prefetch", [("offload", TOP_K, "mmap", True),
+                                                             ("hybrid", 3, "host", False)])
+def test_tiered_greedy_equals_resident_under_preemption(resident, strategy, slots, backing, prefetch):
     path, prompts, want = resident
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(path, num_kv_blocks=128) as llm:
         longer = ladle_tokens(llm, prompts[1:3] * 3, params)
     with LLM(path, max_num_batched_tokens=64, max_prefill_length=19, num_kv_blocks=9,
-             **_tier_kwargs(strategy, slots, backing)) as llm:
+             **_tier_kwargs(strategy, slots, backing, prefetch)) as llm:
         assert ladle_tokens(llm, prompts[1:3] * 3, params) == longer
         assert llm.stats.num_preemptions > 0 and llm.engine.core.kv.num_free_blocks == 9
 

@@ -26,6 +26,8 @@ def test_bad_values_are_refused_before_loading(moe_dir, kwargs, message):
     ({"moe_cache_size": 1}, "fewer than a token's 2 routed experts; give at least 2"),
     ({"moe_cache_size": 17}, "exceeds the model's 16 routed experts"),
     ({"moe_strategy": "cpu", "moe_cache_size": 4}, "caches none; drop moe_cache_size"),
+    ({"moe_strategy": "cpu", "moe_prefetch": True}, "moe_strategy cpu does not use; drop it"),
+    ({"moe_prefetch": True}, "every expert fits on the device and none is tiered"),
     ({"moe_strategy": "hybrid"}, "every expert fits on the device and none is tiered"),
     ({"moe_cache_size": 4, "load_format": "dummy"}, "load_format dummy has none of; use moe_backing host"),
     ({"moe_cache_size": 16, "memory_budget": 800 * 1024}, r"the budget holds \d+; give at most \d+"),
@@ -48,9 +50,13 @@ def test_the_plan_and_settings_say_what_is_tiered(moe_dir):
         assert cfg.settings["moe_cache_size"].source == "explicit"
         assert cfg.settings["moe_backing"].value == "mmap" and "on CPU" in cfg.settings["moe_backing"].reason
         assert "4 of 16 experts" in cfg.settings["tiered_experts"].value
+        assert cfg.settings["moe_prefetch"].value is False and "same cores" in cfg.settings["moe_prefetch"].reason
         llm.generate([{"prompt_token_ids": [1, 2, 3] * 10}], SamplingParams(max_tokens=4), use_tqdm=False)
         assert llm.stats.experts.misses > 0 and llm.stats.steps[-1].moe_fetch_ms >= 0
-        assert sum(s.moe_fetch_ms for s in llm.stats.steps) == pytest.approx(llm.stats.experts.fetch_seconds * 1e3)
+        e = llm.stats.experts
+        assert sum(s.moe_fetch_ms for s in llm.stats.steps) == pytest.approx(e.fetch_seconds * 1e3)
+        assert sum(s.moe_wait_ms for s in llm.stats.steps) == pytest.approx(e.wait_seconds * 1e3)
+        assert llm.engine.core.snapshot().moe_cache_misses == e.misses
 
 
 def test_hybrid_shows_its_measured_threshold(moe_dir):
@@ -62,10 +68,13 @@ def test_hybrid_shows_its_measured_threshold(moe_dir):
 def test_cache_counters_reach_metrics():
     metrics = ServerMetrics("m")
     metrics.on_snapshot(0, EngineSnapshot(moe_cache_hits=5, moe_cache_misses=3, moe_bytes_fetched=4096,
-                                  moe_fetch_seconds=0.25, moe_computed_in_place=1))
+                                  moe_fetch_seconds=0.25, moe_fetch_wait_seconds=0.125, moe_computed_in_place=1,
+                                  moe_prefetched=2))
     text = metrics.render().decode()
     for line in ('ladle:moe_cache_hits_total{model_name="m"} 5.0', 'ladle:moe_cache_misses_total{model_name="m"} 3.0',
                  'ladle:moe_bytes_fetched_total{model_name="m"} 4096.0',
                  'ladle:moe_fetch_seconds_total{model_name="m"} 0.25',
-                 'ladle:moe_experts_computed_in_place_total{model_name="m"} 1.0'):
+                 'ladle:moe_experts_computed_in_place_total{model_name="m"} 1.0',
+                 'ladle:moe_fetch_wait_seconds_total{model_name="m"} 0.125',
+                 'ladle:moe_prefetched_total{model_name="m"} 2.0'):
         assert line in text

@@ -51,7 +51,9 @@ class EngineSnapshot:
     moe_cache_misses: int = 0
     moe_bytes_fetched: int = 0
     moe_fetch_seconds: float = 0.0
+    moe_fetch_wait_seconds: float = 0.0
     moe_computed_in_place: int = 0
+    moe_prefetched: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

@@ -19,7 +19,8 @@ class StepRecord:
     num_decodes: int
     num_preempted: int
     ms: float
-    moe_fetch_ms: float = 0.0  # tiered experts: time this step spent fetching experts into the device's slots
+    moe_fetch_ms: float = 0.0  # tiered experts: time this step's expert fetches took (ahead, on the fetch thread, too)
+    moe_wait_ms: float = 0.0  # of it, the time the step's layers waited for their experts
 
 
 @dataclass
@@ -53,7 +54,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     # Tiered MoE experts (ladle.experts): the cache's own counters, from the engine's start (None: no tiering).
     experts: ExpertCacheStats | None = None
-    _fetch_seconds_seen: float = 0.0
+    _fetch_seen: tuple[float, float] = (0.0, 0.0)  # the experts' fetch and wait seconds at the last step
 
     def counters(self) -> dict[str, Any]:
         """The counters a snapshot reports, by EngineSnapshot's names."""
@@ -65,7 +66,8 @@ class EngineStats:
         e = self.experts
         if e is not None:
             out |= {"moe_cache_hits": e.hits, "moe_cache_misses": e.misses, "moe_bytes_fetched": e.bytes_fetched,
-                    "moe_fetch_seconds": e.fetch_seconds, "moe_computed_in_place": e.computed_in_place}
+                    "moe_fetch_seconds": e.fetch_seconds, "moe_fetch_wait_seconds": e.wait_seconds,
+                    "moe_computed_in_place": e.computed_in_place, "moe_prefetched": e.prefetched}
         return out
 
     @property
@@ -75,8 +77,10 @@ class EngineStats:
 
     def record(self, step: StepRecord) -> None:
         if self.experts is not None:
-            step = replace(step, moe_fetch_ms=(self.experts.fetch_seconds - self._fetch_seconds_seen) * 1000)
-            self._fetch_seconds_seen = self.experts.fetch_seconds
+            now = (self.experts.fetch_seconds, self.experts.wait_seconds)
+            step = replace(step, moe_fetch_ms=(now[0] - self._fetch_seen[0]) * 1000,
+                           moe_wait_ms=(now[1] - self._fetch_seen[1]) * 1000)
+            self._fetch_seen = now
         self.steps.append(step)
         self.num_steps += 1
         self.num_prefill_chunks += step.num_prefill_chunks

@@ -102,6 +102,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backing", choices=MOE_BACKINGS, default=S,
                    help="where tiered experts live: host memory (default on CUDA, pinned) or mmap: read from the "
                         "checkpoint's files when needed (default on CPU; a model larger than RAM runs)")
+    p.add_argument("--moe-prefetch", action=argparse.BooleanOptionalAction, default=S,
+                   help="tiered experts: fetch a layer's misses, and in a prefill the next layer's experts, ahead on "
+                        "a worker thread (default: on CUDA, where copies use the DMA engines; off on CPU, where they "
+                        "compete with the compute for the same cores)")
     p.add_argument("--seed", type=int, default=S)
 
 
@@ -119,7 +123,7 @@ ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "ma
                "cudagraph_mode", "async_scheduling", "load_format", "quantization", "dequantize_weights", "profile_cache",
                "num_threads", "attention_backend",
                "tensor_parallel_size", "speculative_config", "moe_cache_size", "moe_cache_fraction",
-               "moe_strategy", "moe_backing", "seed")
+               "moe_strategy", "moe_backing", "moe_prefetch", "seed")
 
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
     [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],

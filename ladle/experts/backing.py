@@ -3,6 +3,7 @@ when an expert is needed (FileBacking), so a model whose experts exceed RAM runs
 does, with the process holding only the resident weights and the cache's slots."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -67,7 +68,13 @@ class HostBacking:
 
     def read_into(self, expert: int, dest: dict[str, torch.Tensor]) -> int:
         for name, t in self.tensors.items():
-            dest[name].copy_(t[expert], non_blocking=True)
+            src, out = t[expert], dest[name]
+            if out.device.type == "cpu" and out.is_contiguous() and out.dtype == src.dtype:
+                # One plain copy: torch's copy_ would start its own OpenMP team on the fetch thread, beside the
+                # compute's (2 teams on the same cores ran a prefill 1.7x slower).
+                ctypes.memmove(out.data_ptr(), src.data_ptr(), src.nbytes)
+            else:
+                out.copy_(src, non_blocking=True)
         return self.nbytes // len(next(iter(self.tensors.values())))
 
 

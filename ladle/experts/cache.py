@@ -1,10 +1,16 @@
 """The device's expert slots, shared by every tiered MoE layer: which (layer, expert) each slot holds, least
-recently used first, and the counters of what the cache did. Slots an unfinished layer still needs are pinned,
-so a fetch never evicts an expert the running layer is about to compute."""
+recently used first, and the counters of what the cache did. A slot being fetched or about to be computed is
+pinned, so no fetch evicts an expert the running layer still needs.
+
+Fetches can run ahead on one worker thread (prefetch): the running layer's misses while its first experts
+compute, and during a prefill the next layer's experts too, through the slots the running layer does not need
+(double buffering, as the field report's engine streams whole layers). All bookkeeping stays on the calling
+thread; the worker only copies bytes into the slot it was given."""
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,8 +28,13 @@ class ExpertCacheStats:
     hits: int = 0
     misses: int = 0  # fetched, or computed in place
     bytes_fetched: int = 0
-    fetch_seconds: float = 0.0
+    fetch_seconds: float = 0.0  # reading experts into slots, on whichever thread read them
+    wait_seconds: float = 0.0  # of it, what a layer spent waiting for its experts to arrive
     computed_in_place: int = 0  # misses computed where the expert lives (moe_strategy cpu or hybrid)
+    prefetched: int = 0  # fetches started ahead of the expert's turn
+
+
+Key = tuple[int, int]  # (layer, expert)
 
 
 class ExpertCache(nn.Module):
@@ -38,10 +49,13 @@ class ExpertCache(nn.Module):
             self.register_buffer(f"slots_{name}", torch.empty((num_slots, *shape), dtype=dtype))
         self.keep_dtypes = tuple(f"slots_{name}" for name in shapes)  # the loader allocates them as declared
         self.stats = ExpertCacheStats()
-        self._where: dict[tuple[int, int], int] = {}
-        self._holds: list[tuple[int, int] | None] = [None] * num_slots
+        self._where: dict[Key, int] = {}
+        self._holds: list[Key | None] = [None] * num_slots
         self._order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))  # LRU first
         self._pinned: set[int] = set()
+        self._pending: dict[Key, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self.prefetch_enabled = False  # on: fetches start ahead on the worker (the moe_prefetch setting)
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"slots_{name}") for name in self.names}
@@ -49,25 +63,30 @@ class ExpertCache(nn.Module):
     def lookup(self, layer: int, expert: int) -> int | None:
         return self._where.get((layer, expert))
 
-    def free_slots(self) -> int:
-        """Slots a fetch may take now: those not pinned."""
-        return self.num_slots - len(self._pinned)
+    def coming(self, layer: int, expert: int) -> bool:
+        """Held or being fetched."""
+        return (layer, expert) in self._where
 
     def acquire(self, layer: int, expert: int, backing: Backing) -> int:
-        """The slot holding the expert, fetched into the least recently used unpinned slot on a miss; pinned
-        until release()."""
-        slot = self._where.get((layer, expert))
-        if slot is not None:
+        """The slot holding the expert, fetched into the least recently used unpinned slot on a miss (or waited
+        for, if a prefetch has it coming); pinned until release()."""
+        key = (layer, expert)
+        slot = self._where.get(key)
+        if key in self._pending:
+            self.stats.misses += 1
+            start = time.perf_counter()
+            self._settle(key)
+            self.stats.wait_seconds += time.perf_counter() - start
+        elif slot is not None:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            slot = self._victim()
+            slot = self._take(key, self._victim(frozenset(), must=True))
             start = time.perf_counter()
-            tensors = self.slot_tensors()
-            self.stats.bytes_fetched += backing.read_into(expert, {n: t[slot] for n, t in tensors.items()})
-            self.stats.fetch_seconds += time.perf_counter() - start
-            self._where[(layer, expert)] = slot
-            self._holds[slot] = (layer, expert)
+            nbytes = _read(backing, expert, self._views(slot))[0]
+            self._count(nbytes, time.perf_counter() - start)
+            self.stats.wait_seconds += time.perf_counter() - start
+        slot = self._where[key]
         self._order.move_to_end(slot)
         self._pinned.add(slot)
         return slot
@@ -75,18 +94,75 @@ class ExpertCache(nn.Module):
     def release(self, slot: int) -> None:
         self._pinned.discard(slot)
 
-    def _victim(self) -> int:
+    def prefetch(self, layer: int, expert: int, backing: Backing, keep: frozenset[Key]) -> bool:
+        """Start fetching the expert on the worker into a slot holding none of `keep` (the experts the running
+        layer still needs); False when no such slot is free now."""
+        key = (layer, expert)
+        if key in self._where:
+            return True
+        if not self.prefetch_enabled:
+            return False
+        victim = self._victim(keep, must=False)
+        if victim is None:
+            return False
+        slot = self._take(key, victim)
+        self._pinned.add(slot)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ladle-expert-fetch")
+        self._pending[key] = self._pool.submit(_read, backing, expert, self._views(slot))
+        self.stats.prefetched += 1
+        return True
+
+    def settle_layer(self, layer: int, needed: set[int]) -> None:
+        """Wait for the layer's prefetches it turned out not to need, and unpin their slots (they stay cached)."""
+        for key in [k for k in self._pending if k[0] == layer and k[1] not in needed]:
+            self._settle(key)
+            self._pinned.discard(self._where[key])
+
+    def _settle(self, key: Key) -> None:
+        nbytes, seconds = self._pending.pop(key).result()
+        self._count(nbytes, seconds)
+
+    def _count(self, nbytes: int, seconds: float) -> None:
+        self.stats.bytes_fetched += nbytes
+        self.stats.fetch_seconds += seconds
+
+    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+        return {n: t[slot] for n, t in self.slot_tensors().items()}
+
+    def _take(self, key: Key, slot: int) -> int:
+        held = self._holds[slot]
+        if held is not None:
+            del self._where[held]
+        self._where[key], self._holds[slot] = slot, key
+        return slot
+
+    def _victim(self, keep: frozenset[Key], must: bool) -> int | None:
+        """The least recently used slot neither pinned nor holding one of keep; None if there is none, unless
+        `must`: a fetch for the expert about to run always finds one, as prefetches run in the order experts do
+        and stop at the first that finds no slot."""
         for slot in self._order:
-            if slot not in self._pinned:
-                held = self._holds[slot]
-                if held is not None:
-                    del self._where[held]
-                    self._holds[slot] = None
+            if slot not in self._pinned and self._holds[slot] not in keep:
                 return slot
+        if not must:
+            return None
         raise RuntimeError(f"every one of the {self.num_slots} expert slots is pinned by the running layer")
+
+    def unpin_all(self) -> None:
+        """After a failed forward: no fetch left running, no slot left pinned."""
+        for key in list(self._pending):
+            self._settle(key)
+        self._pinned.clear()
 
     def clear(self) -> None:
         """Forget every slot's expert (the bytes stay until written over)."""
+        self.unpin_all()
         self._where.clear()
         self._holds = [None] * self.num_slots
         self._pinned.clear()
+
+
+def _read(backing: Backing, expert: int, dest: dict[str, torch.Tensor]) -> tuple[int, float]:
+    start = time.perf_counter()
+    nbytes = backing.read_into(expert, dest)
+    return nbytes, time.perf_counter() - start

@@ -4,6 +4,7 @@ strategy says so, computed where the expert lives; the arithmetic is the residen
 equal the resident model's token for token."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -40,31 +41,62 @@ class MissPolicy:
 StacksOf = Callable[[torch.dtype, dict[str, torch.Tensor]], tuple[Any, Any]]
 
 
+# A step whose tokens route to at least this share of a layer's experts is a prefill chunk's: it will touch most
+# of the next layer's too, so their fetches start while this layer computes.
+STREAM_SHARE = 0.75
+
+
 class TieredExperts:
-    """One MoE layer's routed experts: in `backing`, computed through `cache`'s slots or in place."""
+    """One MoE layer's routed experts: in `backing`, computed through `cache`'s slots or in place. `next` is the
+    following tiered layer, whose experts a prefill streams in while this one computes."""
 
     def __init__(self, layer: int, backing: LayerBacking, cache: ExpertCache, policy: MissPolicy,
                  num_experts: int) -> None:
         self.layer, self.backing, self.cache, self.policy = layer, backing, cache, policy
         self.num_experts = num_experts
+        self.next: TieredExperts | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None,
                 stacks_of: StacksOf) -> torch.Tensor:
         slot_w13, slot_w2 = stacks_of(x.dtype, self.cache.slot_tensors())
-        counts: list[int] = []
+        cache, counts = self.cache, []
+        remaining: set[tuple[int, int]] = set()  # this layer's experts still to compute from a slot
+        queue: deque[tuple[TieredExperts, int]] = deque()  # fetches to start ahead, in the order they run
+
+        def plan(step_counts: list[int]) -> None:
+            counts.extend(step_counts)
+            routed = [e for e, n in enumerate(counts) if n]
+            slotted = [e for e in routed if cache.coming(self.layer, e) or not self.policy.in_place(counts[e])]
+            cache.settle_layer(self.layer, set(slotted))
+            remaining.update((self.layer, e) for e in slotted)
+            queue.extend((self, e) for e in slotted)
+            if self.next is not None and len(routed) >= STREAM_SHARE * self.num_experts:
+                queue.extend((self.next, e) for e in range(self.next.num_experts))
+            top_up()
+
+        def top_up() -> None:
+            while queue:
+                layer, expert = queue[0]
+                if not cache.prefetch(layer.layer, expert, layer.backing, frozenset(remaining)):
+                    return
+                queue.popleft()
 
         def mlp(rows: torch.Tensor, expert: int) -> torch.Tensor:
-            slot = self.cache.lookup(self.layer, expert)
-            if slot is None and self.policy.in_place(counts[expert]):
+            if (self.layer, expert) not in remaining:
                 return self._in_place(rows, expert, swiglu_limit, stacks_of)
-            slot = self.cache.acquire(self.layer, expert, self.backing)
+            slot = cache.acquire(self.layer, expert, self.backing)
             try:
                 return expert_mlp(rows, slot_w13, slot_w2, slot, swiglu_limit)
             finally:
-                self.cache.release(slot)
+                cache.release(slot)
+                remaining.discard((self.layer, expert))
+                top_up()
 
-        return each_expert(x, weights, ids, self.num_experts, mlp, counts.extend)
-
+        try:
+            return each_expert(x, weights, ids, self.num_experts, mlp, plan)
+        except BaseException:
+            cache.unpin_all()
+            raise
     def _in_place(self, rows: torch.Tensor, expert: int, swiglu_limit: float | None,
                   stacks_of: StacksOf) -> torch.Tensor:
         """The expert computed on the host from where it lives: host memory as it is, a file's bytes read for

@@ -38,6 +38,7 @@ class ExpertTiering:
     cache_slots: int
     strategy: str  # offload | cpu | hybrid (ladle.experts.tiered.MissPolicy)
     backing: str  # host | mmap
+    prefetch: bool = False  # fetches ahead on a worker thread (ladle.experts.cache)
 
     def describe(self, inv: ExpertInventory) -> str:
         return (f"{self.cache_slots} of {inv.total_experts} experts ({format_bytes(self.cache_slots * inv.expert_bytes)}"
@@ -50,7 +51,7 @@ Put = Callable[..., Any]  # Provenance.put(name, value, derived_reason="")
 def resolve_tiering(args: EngineArgs, inv: ExpertInventory | None, budget: int, on_cpu: bool,
                     load_format: str, put: Put) -> ExpertTiering | None:
     """The tiering the engine runs with (None: every expert resident), each setting recorded with its source."""
-    given = [n for n in ("moe_cache_size", "moe_cache_fraction", "moe_strategy", "moe_backing")
+    given = [n for n in ("moe_cache_size", "moe_cache_fraction", "moe_strategy", "moe_backing", "moe_prefetch")
              if getattr(args, n) is not None]
     if inv is None:
         if given:
@@ -61,6 +62,8 @@ def resolve_tiering(args: EngineArgs, inv: ExpertInventory | None, budget: int, 
             raise ValueError("moe_strategy cpu computes every routed expert where it lives and caches none; drop "
                              "moe_cache_size / moe_cache_fraction, or choose offload or hybrid")
         put("moe_strategy", "cpu")
+        if args.moe_prefetch:
+            raise ValueError("moe_prefetch fetches into the cache, which moe_strategy cpu does not use; drop it")
         return ExpertTiering(0, "cpu", _backing(args, on_cpu, load_format, put))
     room = int(budget * (1 - ROOM_SHARE)) - inv.resident_bytes  # for slots
     largest = max(0, min(inv.total_experts, room // inv.expert_bytes))
@@ -96,7 +99,11 @@ def resolve_tiering(args: EngineArgs, inv: ExpertInventory | None, budget: int, 
             f"{1 - ROOM_SHARE:.0%} of the budget")
     strategy = put("moe_strategy", args.moe_strategy or "offload",
                    "" if args.moe_strategy else "every miss fetched into a device slot")
-    return ExpertTiering(slots, strategy, _backing(args, on_cpu, load_format, put))
+    prefetch = put("moe_prefetch", args.moe_prefetch if args.moe_prefetch is not None else not on_cpu,
+                   "" if args.moe_prefetch is not None else "on CPU a fetch thread competes with the compute for the "
+                   "same cores (measured slower: benchmarks/expert_tiering.py)" if on_cpu else
+                   "copies to the device run on its DMA engines beside the compute")
+    return ExpertTiering(slots, strategy, _backing(args, on_cpu, load_format, put), prefetch)
 
 
 def _backing(args: EngineArgs, on_cpu: bool, load_format: str, put: Put) -> str:

@@ -74,6 +74,7 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
     shapes = _expert_shapes(layers[0][1], dtype)
     with torch.device("meta"):
         cache = ExpertCache(tiering.cache_slots, shapes)
+    cache.prefetch_enabled = tiering.prefetch
     policy = MissPolicy(tiering.strategy)
     stacks = {prefix: {n: getattr(m, n) for n in m.expert_names()} for prefix, m in layers}
     parts, skip = (_file_parts(model, stacks, shapes, files, renames) if tiering.backing == "mmap"
@@ -88,6 +89,8 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
             backing = HostBacking({n: torch.empty((m.num_experts, *s), dtype=d, pin_memory=pin)
                                    for n, (s, d) in shapes.items()})
         m.tiered = TieredExperts(layer, backing, cache, policy, m.num_experts)
+    for (_, m), (_, following) in zip(layers, layers[1:]):
+        m.tiered.next = following.tiered
     model.expert_cache = cache
     return skip
 

@@ -32,7 +32,9 @@ _COUNTERS = {
     "moe_cache_hits": ("moe_cache_hits", "Tiered MoE experts found in the device's cache slots."),
     "moe_cache_misses": ("moe_cache_misses", "Tiered MoE experts not in the cache (fetched or computed in place)."),
     "moe_bytes_fetched": ("moe_bytes_fetched", "Bytes of tiered experts fetched into the cache."),
-    "moe_fetch_seconds": ("moe_fetch_seconds", "Seconds spent fetching tiered experts."),
+    "moe_fetch_seconds": ("moe_fetch_seconds", "Seconds spent fetching tiered experts (ahead of use included)."),
+    "moe_fetch_wait_seconds": ("moe_fetch_wait_seconds", "Seconds steps waited for tiered experts to arrive."),
+    "moe_prefetched": ("moe_prefetched", "Tiered expert fetches started ahead of their turn."),
     "moe_computed_in_place": ("moe_experts_computed_in_place", "Tiered expert misses computed where they live."),
     "steps_with_lent_cpus": ("engine_steps_with_lent_cpus", "Engine steps run with the API process's idle CPUs "
                                                             "lent (ladle serve on CPU)."),
