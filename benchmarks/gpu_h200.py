@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout 
 import torch  # noqa: E402
 
 from gpu_checks import engine_vs_hf, ops_check  # noqa: E402
+from gpu_experts import expert_tiering_check  # noqa: E402
 from gpu_engine import decode_batch1, generate, peak, prefill_speed, prompts, set_async  # noqa: E402
 from gpu_quant import fp8_check  # noqa: E402
 from gpu_structured import structured_check  # noqa: E402
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         run.section("fp8_check", 30, lambda: fp8_check(device, small=a.dry_run))
         run.section("engine_vs_hf", 120, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
         run.section("structured_check", 30, lambda: structured_check(device, workdir, small=a.dry_run))
+        free(device)
+        run.section("expert_tiering", 90, lambda: expert_tiering_check(device, workdir, small=a.dry_run))
         free(device)  # the check sections' blocks, still reserved, would count against the engine's budget
         ladle_8b(run, a, s, shape8, workdir, ids)
         free(device)

@@ -33,6 +33,10 @@ def table(results: dict) -> str:
             cells = [f"greedy = TP 1: {res['greedy_identical_to_tp1']}"] + [
                 f"TP {k}: {v['output_tok_s']} tok/s, broadcast {v['broadcast_ms_per_step']} ms/step"
                 for k, v in res["throughput"].items()]
+        elif name == "expert_tiering":
+            cells = [f"{k}: agree {v['agreement']}, decode x{v['decode_ratio']}, prefill x{v['prefill_ratio']}"
+                     + (f", hits {v['hit_rate']}" if v.get("hit_rate") is not None else "")
+                     for k, v in res.items() if isinstance(v, dict)]
         elif name == "kernel_speed":
             cells = [f"{k} {v['ms']}ms {v['tflops']}TF {v['kv_gb_s']}GB/s" for k, v in res.items()
                      if isinstance(v, dict)]

@@ -94,7 +94,7 @@ class FileBacking:
     def __init__(self, parts: list[list[FilePart]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         self.parts, self.shapes = parts, shapes
         self.nbytes = sum(p.location.nbytes for expert in parts for p in expert)
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, int] = {}  # open as long as the model lives, as a mapping would be
 
     def _fd(self, path: str) -> int:
         if path not in self._fds:
@@ -124,8 +124,3 @@ class FileBacking:
                 copy_values(target, buf.reshape(target.shape))
             total += loc.nbytes
         return total
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()

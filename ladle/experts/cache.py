@@ -60,16 +60,14 @@ class ExpertCache(nn.Module):
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"slots_{name}") for name in self.names}
 
-    def lookup(self, layer: int, expert: int) -> int | None:
-        return self._where.get((layer, expert))
-
     def coming(self, layer: int, expert: int) -> bool:
         """Held or being fetched."""
         return (layer, expert) in self._where
 
-    def acquire(self, layer: int, expert: int, backing: Backing) -> int:
-        """The slot holding the expert, fetched into the least recently used unpinned slot on a miss (or waited
-        for, if a prefetch has it coming); pinned until release()."""
+    def acquire(self, layer: int, expert: int, backing: Backing, keep: frozenset[Key] = frozenset()) -> int:
+        """The slot holding the expert, fetched on a miss into the least recently used unpinned slot, one holding
+        none of `keep` (the running layer's other experts) where there is one (or waited for, if a prefetch has
+        it coming); pinned until release()."""
         key = (layer, expert)
         slot = self._where.get(key)
         if key in self._pending:
@@ -81,7 +79,8 @@ class ExpertCache(nn.Module):
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            slot = self._take(key, self._victim(frozenset(), must=True))
+            victim = self._victim(keep, must=False)
+            slot = self._take(key, victim if victim is not None else self._victim(frozenset(), must=True))
             start = time.perf_counter()
             nbytes = _read(backing, expert, self._views(slot))[0]
             self._count(nbytes, time.perf_counter() - start)

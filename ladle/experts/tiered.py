@@ -84,7 +84,7 @@ class TieredExperts:
         def mlp(rows: torch.Tensor, expert: int) -> torch.Tensor:
             if (self.layer, expert) not in remaining:
                 return self._in_place(rows, expert, swiglu_limit, stacks_of)
-            slot = cache.acquire(self.layer, expert, self.backing)
+            slot = cache.acquire(self.layer, expert, self.backing, frozenset(remaining - {(self.layer, expert)}))
             try:
                 return expert_mlp(rows, slot_w13, slot_w2, slot, swiglu_limit)
             finally:

@@ -19,7 +19,7 @@ def tiering_resolver(args: EngineArgs, prov: Provenance, budget: int,
     def resolve(inv: ExpertInventory | None) -> ExpertTiering | None:
         tiering = resolve_tiering(args, inv, budget, device.type == "cpu", args.load_format, prov.put)
         if tiering is not None and inv is not None:
-            prov.put("tiered_experts", tiering.describe(inv))
+            prov.put("tiered_experts", tiering.describe(inv), "where moe_cache_size and moe_backing put them")
         return tiering
     return resolve
 
