@@ -116,6 +116,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0  # with scheduling_policy="priority": lower values are served first (vLLM semantics)
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this (a grammar)
+    # Speculative decoding: at most this many drafts a step for this request (0: none, opting out); None: as
+    # many as the engine's speculative_config drafts. The tokens are the same either way; only the speed differs.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,6 +176,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must hold token ids >= 0")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise bad("num_speculative_tokens", "must be an integer >= 0 (0: no drafts for this request) or None")
         priority = self.priority
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise bad("priority", "must be an integer in [-2**63, 2**63)")

@@ -222,6 +222,7 @@ def test_bad_input_gets_4xx_envelopes_and_the_server_keeps_serving(server):
         (cmpl, {"prompt": "x", "n": 0}, "n"),
         (cmpl, {"prompt": "x", "stream": True, "presence_penalty": 9}, "presence_penalty"),
         (chat, {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+        (cmpl, {"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ]
     for path, body, param in cases:
         assert_error_envelope(server.post(path, body), 400, param=param)
@@ -236,7 +237,7 @@ def test_bad_input_gets_4xx_envelopes_and_the_server_keeps_serving(server):
     assert_error_envelope(httpx.get(server.base_url + "/v1/no-such-route"), 404)
     assert httpx.get(server.base_url + "/openapi.json").json()["paths"].keys() >= {"/v1/completions",
                                                                                    "/v1/chat/completions"}
-    ok = server.post(chat, {"messages": msgs, "max_tokens": 3})
+    ok = server.post(chat, {"messages": msgs, "max_tokens": 3, "num_speculative_tokens": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert server.health()[0] == 200
 

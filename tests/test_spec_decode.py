@@ -228,6 +228,25 @@ def test_disable_by_batch_size_turns_drafts_off_above_it(tiny_qwen3_dir, copy_pr
     assert drafts == 0 and llm.stats.spec_decode_num_drafts > 0  # 5 running: none; 1 running: drafts
 
 
+def test_a_request_opts_out_or_caps_its_drafts(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    """SamplingParams.num_speculative_tokens: 0 drafts nothing for that request, 1 at most one a step; the
+    tokens are the plain run's either way. A negative value is refused."""
+    from dataclasses import replace
+
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
+    stats = llm.stats
+    for cap, most in ((0, 0), (1, 1), (None, 3)):
+        before = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens)
+        params = replace(GREEDY, num_speculative_tokens=cap)
+        assert ladle_tokens(llm, copy_prompts[:2], params) == plain_greedy[:2]
+        rows, drafted = stats.spec_decode_num_drafts - before[0], stats.spec_decode_num_draft_tokens - before[1]
+        assert drafted <= most * rows and (drafted > 0) == (most > 0)
+        if cap is None:
+            assert drafted > rows  # uncapped, some step drafted more than one
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_verifies_drafts_on_every_rank(tiny_qwen3_dir, copy_prompts, plain_greedy):
     """Rank 1 builds the same chunks from the drafts in the step's plain specs, so the tokens stay the plain

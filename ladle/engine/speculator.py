@@ -52,9 +52,11 @@ class Speculator:
         for req in decodes:
             if left <= 0:
                 break
-            # Never past max_tokens or max_model_len: the row's own token comes after its drafts.
-            k = min(self.config.num_speculative_tokens, left, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+            # Never past max_tokens or max_model_len: the row's own token comes after its drafts; never more than
+            # the request allows (its opt-out: num_speculative_tokens 0).
+            own = req.sampling_params.num_speculative_tokens
+            k = min(self.config.num_speculative_tokens if own is None else own, self.config.num_speculative_tokens,
+                    left, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
             if k <= 0:
                 continue
             drafts = self._propose(req, k)

@@ -58,6 +58,8 @@ class SamplingRequest(GuidedFields):  # an OpenAIBaseModel
     user: Text | None = None
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extra
+    # ladle's extra: at most this many speculative drafts a step for this request (0: opt out)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
 
 
 class CompletionRequest(SamplingRequest):

@@ -160,6 +160,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, priority=req.priority, structured_outputs=structured,
+            num_speculative_tokens=req.num_speculative_tokens,
         )
     except InvalidSamplingParam as e:
         raise OpenAIError(400, f"{e.field} {e.rule}, got {e.value!r}", code="invalid_value", param=e.field) from None
