@@ -82,7 +82,11 @@ class ExpertCache(nn.Module):
             victim = self._victim(keep, must=False)
             slot = self._take(key, victim if victim is not None else self._victim(frozenset(), must=True))
             start = time.perf_counter()
-            nbytes = _read(backing, expert, self._views(slot))[0]
+            try:
+                nbytes = _read(backing, expert, self._views(slot))[0]
+            except BaseException:
+                self._forget(key)
+                raise
             self._count(nbytes, time.perf_counter() - start)
             self.stats.wait_seconds += time.perf_counter() - start
         slot = self._where[key]
@@ -119,8 +123,17 @@ class ExpertCache(nn.Module):
             self._pinned.discard(self._where[key])
 
     def _settle(self, key: Key) -> None:
-        nbytes, seconds = self._pending.pop(key).result()
+        try:
+            nbytes, seconds = self._pending.pop(key).result()
+        except BaseException:
+            self._forget(key)  # its slot holds part of something else: no later step may take it for the expert
+            raise
         self._count(nbytes, seconds)
+
+    def _forget(self, key: Key) -> None:
+        slot = self._where.pop(key)
+        self._holds[slot] = None
+        self._pinned.discard(slot)
 
     def _count(self, nbytes: int, seconds: float) -> None:
         self.stats.bytes_fetched += nbytes
@@ -148,9 +161,12 @@ class ExpertCache(nn.Module):
         raise RuntimeError(f"every one of the {self.num_slots} expert slots is pinned by the running layer")
 
     def unpin_all(self) -> None:
-        """After a failed forward: no fetch left running, no slot left pinned."""
+        """After a failed forward: no fetch left running, no slot left pinned (a failed fetch's expert forgotten)."""
         for key in list(self._pending):
-            self._settle(key)
+            try:
+                self._settle(key)
+            except Exception:  # noqa: BLE001 - the forward's own error is the one raised
+                pass
         self._pinned.clear()
 
     def clear(self) -> None:
