@@ -260,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         run.section("fp8_check", 30, lambda: fp8_check(device, small=a.dry_run))
         run.section("engine_vs_hf", 120, lambda: engine_vs_hf(device, workdir, small=a.dry_run))
         run.section("structured_check", 30, lambda: structured_check(device, workdir, small=a.dry_run))
-        free(device)
-        run.section("expert_tiering", 90, lambda: expert_tiering_check(device, workdir, small=a.dry_run))
         free(device)  # the check sections' blocks, still reserved, would count against the engine's budget
         ladle_8b(run, a, s, shape8, workdir, ids)
         free(device)
@@ -271,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         free(device)
         run.section("tensor_parallel", 120, lambda: tensor_parallel(device, workdir, qwen3_config(shape8, 8192),
                                                                     small=a.dry_run))
+        free(device)
+        # After every goal's section, so it only takes time they left.
+        run.section("expert_tiering", 90, lambda: expert_tiering_check(device, workdir, small=a.dry_run))
         free(device)
         if device.type == "cuda":  # tile-tuning data: last, so it only ever takes time nothing else needed
             run.section("kernel_speed", 30, lambda: kernel_speed(device))
