@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from ladle.moe_config import validate_moe_args
 from ladle.speculative_config import parse_speculative_config
 
 if TYPE_CHECKING:  # torch loads only where a device is resolved: validating arguments must be instant
@@ -28,8 +29,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # decode-only steps.
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.backends
-MOE_STRATEGIES = ("offload", "cpu", "hybrid")  # ladle.experts.tiered.MissPolicy
-MOE_BACKINGS = ("host", "mmap")  # ladle.experts.backing
 
 
 @dataclass
@@ -151,7 +150,8 @@ class EngineArgs:
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}: choose one of {', '.join(CUDAGRAPH_MODES)}")
         parse_speculative_config(self.speculative_config)
-        self._validate_moe()
+        validate_moe_args(self.moe_cache_size, self.moe_cache_fraction, self.moe_strategy, self.moe_backing,
+                          self.moe_prefetch)
         check_model_dir(self.model, "model")
         if self.tokenizer is not None:
             check_model_dir(self.tokenizer, "tokenizer")
@@ -161,24 +161,6 @@ class EngineArgs:
                 model_max = json.load(f).get("max_position_embeddings")
             if isinstance(model_max, int):
                 check_max_model_len(self.max_model_len, model_max)
-
-
-    def _validate_moe(self) -> None:
-        size, fraction = self.moe_cache_size, self.moe_cache_fraction
-        if size is not None:
-            positive_int("moe_cache_size", size)
-        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                     or not 0 < fraction <= 1):
-            raise ValueError(f"moe_cache_fraction must be in (0, 1] (the share of all routed experts cached), "
-                             f"got {fraction!r}")
-        if size is not None and fraction is not None:
-            raise ValueError("moe_cache_size and moe_cache_fraction both size the expert cache; give one of them")
-        if self.moe_strategy is not None and self.moe_strategy not in MOE_STRATEGIES:
-            raise ValueError(f"moe_strategy={self.moe_strategy!r}: choose one of {', '.join(MOE_STRATEGIES)}")
-        if self.moe_prefetch is not None and not isinstance(self.moe_prefetch, bool):
-            raise ValueError(f"moe_prefetch={self.moe_prefetch!r} is not a bool")
-        if self.moe_backing is not None and self.moe_backing not in MOE_BACKINGS:
-            raise ValueError(f"moe_backing={self.moe_backing!r}: choose one of {', '.join(MOE_BACKINGS)}")
 
 
 def check_max_model_len(max_model_len: int, model_max: int) -> None:

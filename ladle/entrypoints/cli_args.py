@@ -9,7 +9,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, MOE_BACKINGS, MOE_STRATEGIES
+from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
+from ladle.moe_config import MOE_BACKINGS, MOE_STRATEGIES
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
