@@ -36,8 +36,8 @@ class Backing:
         return {n: t[expert] for n, t in self.tensors.items()}
 
 
-def _cache(slots: int) -> ExpertCache:
-    cache = ExpertCache(slots, SHAPES)
+def _cache(slots: int, layers: int = 1) -> ExpertCache:
+    cache = ExpertCache(slots, SHAPES, layers)
     for t in cache.slot_tensors().values():
         t.zero_()
     return cache
@@ -58,6 +58,19 @@ def test_least_recently_used_goes_first_and_hits_are_counted():
     _use(cache, backing, 1)  # still held
     _use(cache, backing, 2)  # was evicted by 3
     assert backing.reads == [1, 2, 3, 2] and cache.stats.bytes_fetched == 4 * backing.nbytes // 8
+
+
+def test_eviction_keeps_the_experts_whose_layer_comes_soonest():
+    """Three layers, two slots, a step routing each layer to one expert: at layer 2 the slot of layer 1 (next
+    needed after layer 0's) goes, where LRU would drop layer 0's, needed first. The running layer's finished
+    experts go before any other layer's."""
+    cache, backing = _cache(2, layers=3), Backing()
+    _use(cache, backing, 1, layer=0), _use(cache, backing, 2, layer=1), _use(cache, backing, 3, layer=2)
+    assert cache.coming(0, 1) and not cache.coming(1, 2)
+    _use(cache, backing, 1, layer=0)  # the next step's layer 0: a hit
+    assert cache.stats.hits == 1
+    _use(cache, backing, 4, layer=0)  # layer 0 again: its own finished expert 1 goes, layer 2's is kept
+    assert cache.coming(2, 3) and not cache.coming(0, 1)
 
 
 def test_a_pinned_slot_is_never_taken_and_the_layers_other_experts_are_kept_if_possible():

@@ -1,6 +1,13 @@
-"""The device's expert slots, shared by every tiered MoE layer: which (layer, expert) each slot holds, least
-recently used first, and the counters of what the cache did. A slot being fetched or about to be computed is
-pinned, so no fetch evicts an expert the running layer still needs.
+"""The device's expert slots, shared by every tiered MoE layer: which (layer, expert) each slot holds, and the
+counters of what the cache did. A slot being fetched or about to be computed is pinned, so no fetch evicts an
+expert the running layer still needs.
+
+Eviction looks ahead: layers run in a fixed cycle (one each per step), so an expert's next use is at the earliest
+when its layer comes round again, and the victim is a slot whose layer runs furthest ahead (the running layer's
+experts it has finished with first, then the previous layer's, ...), the least recently used among them. With
+fewer slots than a step's experts plain LRU evicts every expert before its layer returns (qwen3-moe-512 at a
+12.5% cache: no decode hits); looking ahead keeps the coming layers' experts, which consecutive tokens often
+route to again.
 
 Fetches can run ahead on one worker thread (prefetch): the running layer's misses while its first experts
 compute, and during a prefill the next layer's experts too, through the slots the running layer does not need
@@ -41,9 +48,10 @@ class ExpertCache(nn.Module):
     """num_slots slots, each one expert's tensors (name -> shape, dtype): registered buffers, so the model's
     weights count them and the loader allocates them on the device."""
 
-    def __init__(self, num_slots: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, num_slots: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 num_layers: int = 1) -> None:
         super().__init__()
-        self.num_slots = num_slots
+        self.num_slots, self.num_layers = num_slots, num_layers
         self.names = tuple(shapes)
         for name, (shape, dtype) in shapes.items():
             self.register_buffer(f"slots_{name}", torch.empty((num_slots, *shape), dtype=dtype))
@@ -51,7 +59,8 @@ class ExpertCache(nn.Module):
         self.stats = ExpertCacheStats()
         self._where: dict[Key, int] = {}
         self._holds: list[Key | None] = [None] * num_slots
-        self._order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))  # LRU first
+        # The slots of each layer's experts (None: empty ones), least recently used first.
+        self._by_layer: dict[int | None, OrderedDict[int, None]] = {None: OrderedDict.fromkeys(range(num_slots))}
         self._pinned: set[int] = set()
         self._pending: dict[Key, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -79,8 +88,8 @@ class ExpertCache(nn.Module):
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            victim = self._victim(keep, must=False)
-            slot = self._take(key, victim if victim is not None else self._victim(frozenset(), must=True))
+            victim = self._victim(keep, layer, must=False)
+            slot = self._take(key, victim if victim is not None else self._victim(frozenset(), layer, must=True))
             start = time.perf_counter()
             try:
                 nbytes = _read(backing, expert, self._views(slot))[0]
@@ -90,7 +99,7 @@ class ExpertCache(nn.Module):
             self._count(nbytes, time.perf_counter() - start)
             self.stats.wait_seconds += time.perf_counter() - start
         slot = self._where[key]
-        self._order.move_to_end(slot)
+        self._by_layer[layer].move_to_end(slot)
         self._pinned.add(slot)
         return slot
 
@@ -105,7 +114,7 @@ class ExpertCache(nn.Module):
             return True
         if not self.prefetch_enabled:
             return False
-        victim = self._victim(keep, must=False)
+        victim = self._victim(keep, layer, must=False)
         if victim is None:
             return False
         slot = self._take(key, victim)
@@ -132,7 +141,7 @@ class ExpertCache(nn.Module):
 
     def _forget(self, key: Key) -> None:
         slot = self._where.pop(key)
-        self._holds[slot] = None
+        self._move(slot, None)
         self._pinned.discard(slot)
 
     def _count(self, nbytes: int, seconds: float) -> None:
@@ -146,16 +155,28 @@ class ExpertCache(nn.Module):
         held = self._holds[slot]
         if held is not None:
             del self._where[held]
-        self._where[key], self._holds[slot] = slot, key
+        self._where[key] = slot
+        self._move(slot, key)
         return slot
 
-    def _victim(self, keep: frozenset[Key], must: bool) -> int | None:
-        """The least recently used slot neither pinned nor holding one of keep; None if there is none, unless
-        `must`: a fetch for the expert about to run always finds one, as prefetches run in the order experts do
-        and stop at the first that finds no slot."""
-        for slot in self._order:
-            if slot not in self._pinned and self._holds[slot] not in keep:
-                return slot
+    def _move(self, slot: int, key: Key | None) -> None:
+        """The slot now holds key (None: nothing), the most recently used of its layer's."""
+        held = self._holds[slot]
+        self._by_layer[None if held is None else held[0]].pop(slot)
+        self._holds[slot] = key
+        self._by_layer.setdefault(None if key is None else key[0], OrderedDict())[slot] = None
+
+    def _victim(self, keep: frozenset[Key], layer: int, must: bool) -> int | None:
+        """For the running layer: an empty slot, else one whose layer runs furthest ahead, least recently used
+        first, never pinned nor holding one of keep; None if there is none, unless `must`: a fetch for the expert
+        about to run always finds one, as prefetches run in the order experts do and stop at the first that finds
+        no slot."""
+        ahead = sorted((held for held in self._by_layer if held is not None),
+                       key=lambda held: (held - layer - 1) % self.num_layers, reverse=True)
+        for held in (None, *ahead):
+            for slot in self._by_layer[held]:
+                if slot not in self._pinned and self._holds[slot] not in keep:
+                    return slot
         if not must:
             return None
         raise RuntimeError(f"every one of the {self.num_slots} expert slots is pinned by the running layer")
@@ -174,6 +195,7 @@ class ExpertCache(nn.Module):
         self.unpin_all()
         self._where.clear()
         self._holds = [None] * self.num_slots
+        self._by_layer = {None: OrderedDict.fromkeys(range(self.num_slots))}
         self._pinned.clear()
 
 

@@ -73,7 +73,7 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
     layers = expert_layers(model)
     shapes = _expert_shapes(layers[0][1], dtype)
     with torch.device("meta"):
-        cache = ExpertCache(tiering.cache_slots, shapes)
+        cache = ExpertCache(tiering.cache_slots, shapes, len(layers))
     cache.prefetch_enabled = tiering.prefetch
     policy = MissPolicy(tiering.strategy)
     stacks = {prefix: {n: getattr(m, n) for n in m.expert_names()} for prefix, m in layers}
