@@ -36,8 +36,8 @@ class Backing:
         return {n: t[expert] for n, t in self.tensors.items()}
 
 
-def _cache(slots: int, layers: int = 1) -> ExpertCache:
-    cache = ExpertCache(slots, SHAPES, layers)
+def _cache(slots: int, layers: int = 1, top_k: int = 1) -> ExpertCache:
+    cache = ExpertCache(slots, SHAPES, layers, top_k)
     for t in cache.slot_tensors().values():
         t.zero_()
     return cache
@@ -60,11 +60,17 @@ def test_least_recently_used_goes_first_and_hits_are_counted():
     assert backing.reads == [1, 2, 3, 2] and cache.stats.bytes_fetched == 4 * backing.nbytes // 8
 
 
-def test_eviction_keeps_the_experts_whose_layer_comes_soonest():
+def test_with_fewer_slots_than_a_steps_experts_eviction_keeps_the_layers_that_come_soonest():
     """Three layers, two slots, a step routing each layer to one expert: at layer 2 the slot of layer 1 (next
     needed after layer 0's) goes, where LRU would drop layer 0's, needed first. The running layer's finished
-    experts go before any other layer's."""
+    experts go before any other layer's. With slots for a whole step's experts, eviction is LRU."""
+    lru = _cache(3, layers=3)
+    assert not lru.look_ahead
+    for layer, expert in ((0, 1), (1, 2), (2, 3), (0, 4)):  # layer 0's expert 1 is the least recently used
+        _use(lru, Backing(), expert, layer=layer)
+    assert not lru.coming(0, 1) and lru.coming(1, 2)
     cache, backing = _cache(2, layers=3), Backing()
+    assert cache.look_ahead
     _use(cache, backing, 1, layer=0), _use(cache, backing, 2, layer=1), _use(cache, backing, 3, layer=2)
     assert cache.coming(0, 1) and not cache.coming(1, 2)
     _use(cache, backing, 1, layer=0)  # the next step's layer 0: a hit

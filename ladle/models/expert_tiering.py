@@ -67,13 +67,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, device: torch.device,
-                 files: list[str], renames: dict[str, str]) -> set[str]:
+                 files: list[str], renames: dict[str, str], top_k: int) -> set[str]:
     """Move every FusedMoE's experts to the tier (the model still on meta); returns the checkpoint names the
     loader must not read (the experts a file backing reads when needed)."""
     layers = expert_layers(model)
     shapes = _expert_shapes(layers[0][1], dtype)
     with torch.device("meta"):
-        cache = ExpertCache(tiering.cache_slots, shapes, len(layers))
+        cache = ExpertCache(tiering.cache_slots, shapes, len(layers), top_k)
     cache.prefetch_enabled = tiering.prefetch
     policy = MissPolicy(tiering.strategy)
     stacks = {prefix: {n: getattr(m, n) for n in m.expert_names()} for prefix, m in layers}

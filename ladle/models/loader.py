@@ -139,7 +139,7 @@ def load_model(
         if tp.world_size > 1 or dequantize:
             raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with "
                              f"{'tensor_parallel_size > 1' if tp.world_size > 1 else 'dequantize_weights'} yet")
-        skip = tier_experts(model, tiered, dtype, device, files, renames)
+        skip = tier_experts(model, tiered, dtype, device, files, renames, int(config.num_experts_per_tok))
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
     for module in model.modules():
