@@ -78,3 +78,19 @@ def test_cache_counters_reach_metrics():
                  'ladle:moe_fetch_wait_seconds_total{model_name="m"} 0.125',
                  'ladle:moe_prefetched_total{model_name="m"} 2.0'):
         assert line in text
+
+
+def test_an_incomplete_expert_in_the_files_fails_at_load_naming_it(moe_dir, tmp_path):
+    """The mmap tier never reads the experts at load, so it checks from the headers that every expert's rows are
+    in the files: a checkpoint missing one expert's up projection is refused with the expert named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(moe_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"holds 32 of the 64 rows of model\.layers\.2\.mlp\.experts expert 5's w13"):
+        LLM(str(broken), moe_cache_size=4, moe_backing="mmap")

@@ -15,7 +15,7 @@ import torch
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
                       "U8": torch.uint8}
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,15 @@ def tensor_locations(files: list[str]) -> dict[str, TensorLocation]:
     return found
 
 
+def compatible(file: torch.dtype, held: torch.dtype) -> bool:
+    """Whether checkpoint values of dtype `file` fill a tensor of dtype `held` as the loader would fill it: floats
+    converted, quantized bytes kept as they are (so of the same width)."""
+    return (file in FLOATS) == (held in FLOATS) and (held in FLOATS or file.itemsize == held.itemsize)
+
+
 def copy_values(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """src into dest as the loader would: floats converted to dest's dtype, quantized bytes as they are."""
-    if dest.dtype in _FLOATS and src.dtype in _FLOATS:
-        dest.copy_(src.to(dest.dtype))
-    elif dest.element_size() == src.element_size():
-        dest.copy_(src.view(dest.dtype))
-    else:
-        raise ValueError(f"cannot put {src.dtype} checkpoint values into a {dest.dtype} expert tensor")
+    """src into dest as the loader would (`compatible` was checked when the files were read)."""
+    dest.copy_(src.to(dest.dtype) if dest.dtype in FLOATS else src.view(dest.dtype))
 
 
 class HostBacking:

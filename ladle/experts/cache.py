@@ -77,9 +77,9 @@ class ExpertCache(nn.Module):
         return (layer, expert) in self._where
 
     def acquire(self, layer: int, expert: int, backing: Backing, keep: frozenset[Key] = frozenset()) -> int:
-        """The slot holding the expert, fetched on a miss into the least recently used unpinned slot, one holding
-        none of `keep` (the running layer's other experts) where there is one (or waited for, if a prefetch has
-        it coming); pinned until release()."""
+        """The slot holding the expert, fetched on a miss into the slot _victim picks, one holding none of `keep`
+        (the running layer's other experts) where there is one (or waited for, if a prefetch has it coming);
+        pinned until release()."""
         key = (layer, expert)
         slot = self._where.get(key)
         if key in self._pending:
@@ -93,14 +93,13 @@ class ExpertCache(nn.Module):
             self.stats.misses += 1
             victim = self._victim(keep, layer, must=False)
             slot = self._take(key, victim if victim is not None else self._victim(frozenset(), layer, must=True))
-            start = time.perf_counter()
             try:
-                nbytes = _read(backing, expert, self._views(slot))[0]
+                nbytes, seconds = _read(backing, expert, self._views(slot))
             except BaseException:
                 self._forget(key)
                 raise
-            self._count(nbytes, time.perf_counter() - start)
-            self.stats.wait_seconds += time.perf_counter() - start
+            self._count(nbytes, seconds)
+            self.stats.wait_seconds += seconds
         slot = self._where[key]
         self._by_layer[layer].move_to_end(slot)
         self._order.move_to_end(slot)

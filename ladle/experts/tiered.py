@@ -1,4 +1,4 @@
-"""A tiered MoE layer's forward: the same per-expert loop and order as the resident layer (ladle.models.ops
+"""A tiered MoE layer's forward: the same per-expert loop and order as the resident layer (ladle.experts.compute
 .each_expert), with each routed expert's weights taken from a cache slot (fetched on a miss) or, where the
 strategy says so, computed where the expert lives; the arithmetic is the resident layer's, so greedy tokens
 equal the resident model's token for token."""
@@ -75,7 +75,7 @@ class TieredExperts:
             top_up()
 
         def top_up() -> None:
-            while queue:
+            while queue and cache.prefetch_enabled:
                 layer, expert = queue[0]
                 if not cache.prefetch(layer.layer, expert, layer.backing, frozenset(remaining)):
                     return

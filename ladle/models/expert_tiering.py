@@ -4,27 +4,25 @@ locations, never read at load), and one ExpertCache of device slots, shared by e
 as buffers (so the weights the plan counts are what the device holds)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from ladle.experts.backing import FileBacking, FilePart, HostBacking, TensorLocation, tensor_locations
+from ladle.experts.backing import FileBacking, FilePart, HostBacking, compatible, tensor_locations
 from ladle.experts.cache import ExpertCache
 from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
 from ladle.models.moe import FusedMoE
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _held_dtype(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() and not keep else t.dtype
 
 
 def _nbytes(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> int:
-    return t.numel() * torch.empty((), dtype=_held_dtype(t, keep, dtype)).element_size()
+    return t.numel() * _held_dtype(t, keep, dtype).itemsize
 
 
 def expert_layers(model: nn.Module) -> list[tuple[str, FusedMoE]]:
@@ -53,17 +51,10 @@ def expert_inventory(model: nn.Module, config: Any, dtype: torch.dtype) -> Exper
         for name, t in (*module._parameters.items(), *module._buffers.items()):
             if t is not None:
                 total += _nbytes(t, name in keep, dtype)
-    per_expert = sum(torch.empty((), dtype=d).element_size() * _numel(s) for s, d in shapes.values())
+    per_expert = sum(d.itemsize * math.prod(s) for s, d in shapes.values())
     experts = layers[0][1].num_experts
     return ExpertInventory(total - per_expert * experts * len(layers), per_expert, len(layers), experts,
                            int(config.num_experts_per_tok))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, device: torch.device,
@@ -114,17 +105,11 @@ def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
         if tuple(v.shape) != loc.shape:
             raise ValueError(f"{raw}: checkpoint shape {loc.shape} != expert tensor {tuple(v.shape)}")
         expert, within = divmod(v.storage_offset(), stack.stride(0))
-        _check_dtype(raw, loc, shapes[param][1])
+        if not compatible(loc.dtype, shapes[param][1]):
+            raise ValueError(f"{raw}: checkpoint dtype {loc.dtype} where the tiered expert holds {shapes[param][1]}")
         parts.setdefault(prefix, {}).setdefault(expert, []).append(FilePart(param, within // stack.stride(1), loc))
         skip.add(raw)
     return parts, skip
-
-
-def _check_dtype(raw: str, loc: TensorLocation, held: torch.dtype) -> None:
-    """Floats convert to the held dtype as the loader converts them; quantized bytes are kept as they are."""
-    floats = held in _FLOATS
-    if floats != (loc.dtype in _FLOATS) or (not floats and loc.dtype.itemsize != held.itemsize):
-        raise ValueError(f"{raw}: checkpoint dtype {loc.dtype} where the tiered expert holds {held}")
 
 
 def _complete(prefix: str, parts: dict[int, list[FilePart]], num_experts: int,

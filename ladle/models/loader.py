@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
+from ladle.experts.backing import FLOATS
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.kernels import cpu_kernels
 from ladle.models.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
@@ -133,13 +134,14 @@ def load_model(
                                  "checkpoint is FP8 e4m3")
             if slices is not None:
                 slices = with_scale_slices(slices, quant.block, dtypes)
-    tiered = tiering(expert_inventory(model, config, dtype)) if tiering is not None else None
+    inventory = expert_inventory(model, config, dtype) if tiering is not None else None
+    tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
     if tiered is not None:
         if tp.world_size > 1 or dequantize:
             raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with "
                              f"{'tensor_parallel_size > 1' if tp.world_size > 1 else 'dequantize_weights'} yet")
-        skip = tier_experts(model, tiered, dtype, device, files, renames, int(config.num_experts_per_tok))
+        skip = tier_experts(model, tiered, dtype, device, files, renames, inventory.top_k)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
     for module in model.modules():
@@ -166,13 +168,10 @@ def load_model(
     return model.requires_grad_(False).eval(), config
 
 
-_UNQUANTIZED = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Unquantized weights in the model dtype; quantized values and their scales as the file has them (the
     parameter they fill says what it takes)."""
-    keep = tensor.dtype not in _UNQUANTIZED or name.endswith("weight_scale_inv")
+    keep = tensor.dtype not in FLOATS or name.endswith("weight_scale_inv")
     return tensor if keep or not tensor.is_floating_point() else tensor.to(dtype)
 
 

@@ -50,7 +50,7 @@ class FusedMoE(OpsModule):
         self.scale_block = (1, 1)
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
-        self.tiered: TieredExperts | None = None  # set by ladle.experts.apply: the experts live off the device
+        self.tiered: TieredExperts | None = None  # set by ladle.models.expert_tiering: the experts live off the device
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer
