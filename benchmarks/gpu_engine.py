@@ -107,7 +107,8 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
     """A prompt_len prompt prefilled in chunks of `chunk` straight through the model runner, on a scratch
     KV pool so the engine's own (prefix-cached) blocks are never touched. Second pass is timed."""
     from ladle.runner.step_batch import ScheduledChunk
-    from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+    from ladle.runner.kv_allocation import allocate_kv_caches
+    from ladle.runner.model_runner import ModelRunner
     from ladle.runner.sampling_batch import sampling_metadata
     from ladle.sampling_params import SamplingParams
 

@@ -23,7 +23,7 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     from ladle.runner.cuda_graphs import DecodeGraphs
     from ladle.runner.inputs import build_step_inputs
     from ladle.runner.step_batch import ScheduledChunk, StepBatch
-    from ladle.runner.model_runner import allocate_kv_caches
+    from ladle.runner.kv_allocation import allocate_kv_caches
 
     ec, model = core.config, core.model_executor.runner.model
     per_seq = -(-(context + 1) // ec.block_size)
@@ -72,7 +72,7 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     from ladle.runner.inputs import build_step_inputs
     from ladle.runner.step_batch import ScheduledChunk, StepBatch
     from ladle.runner.mixed_graphs import MixedGraphs
-    from ladle.runner.model_runner import allocate_kv_caches
+    from ladle.runner.kv_allocation import allocate_kv_caches
 
     ec, model = core.config, core.model_executor.runner.model
     most = max(d + c for d, c in steps)

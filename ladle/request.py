@@ -57,6 +57,9 @@ class Request:
     prefill_chunks: list[int] = field(default_factory=list)  # the sizes of the prefill chunks run, in order
     # Token positions where the frontend saw a message end: state checkpoints go there (rounded to a block).
     checkpoint_marks: tuple[int, ...] = ()
+    # The model's own drafts (speculative_config method mtp) of the tokens after its last one, from the step
+    # that sampled it.
+    spec_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,14 +1,18 @@
 """--speculative-config, in vLLM's spelling: '{"method": "ngram", "num_speculative_tokens": 3,
-"prompt_lookup_max": 4}'. Every key is read or refused by name; nothing is dropped."""
+"prompt_lookup_max": 4}' or '{"method": "mtp", "num_speculative_tokens": 1}'. Every key is read or refused by
+name; nothing is dropped."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
+# vLLM's older per-model names of the mtp method, read as it reads them.
+MTP_ALIASES = ("qwen3_5_mtp", "qwen3_next_mtp", "deepseek_mtp")
 # vLLM's names for methods ladle does not run yet: refused by name rather than read as unknown.
-PLANNED = ("mtp", "deepseek_mtp", "qwen3_next_mtp", "eagle", "eagle3", "draft_model", "medusa", "suffix")
+PLANNED = ("eagle", "eagle3", "draft_model", "medusa", "suffix")
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 
 
@@ -21,8 +25,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # vLLM's: no drafts while more requests than this run
 
     def describe(self) -> str:
-        text = (f"{self.method}, k={self.num_speculative_tokens}, n-grams of "
-                f"{self.prompt_lookup_min}-{self.prompt_lookup_max} tokens")
+        text = (f"ngram, k={self.num_speculative_tokens}, n-grams of {self.prompt_lookup_min}-"
+                f"{self.prompt_lookup_max} tokens" if self.method == "ngram" else
+                f"mtp, k={self.num_speculative_tokens}, drafted by the model's MTP layer")
         return text + (f", off above {self.disable_by_batch_size} running" if self.disable_by_batch_size else "")
 
 
@@ -49,12 +54,17 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
         raise ValueError(f"speculative_config: ladle does not read {unknown}; it reads {list(_KEYS)}")
     method = value.get("method")
     if method in PLANNED:
-        raise ValueError(f"speculative_config: method {method!r} is not implemented in ladle yet; use 'ngram'")
+        raise ValueError(f"speculative_config: method {method!r} is not implemented in ladle yet; use 'ngram' or "
+                         "'mtp'")
+    method = "mtp" if method in MTP_ALIASES else method
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {list(METHODS)}, got {method!r}")
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config: num_speculative_tokens is required (the drafts per step, e.g. 3)")
     k = _positive("num_speculative_tokens", value["num_speculative_tokens"])
+    given = [key for key in _NGRAM_KEYS if key in value]
+    if method == "mtp" and given:
+        raise ValueError(f"speculative_config: {given} are read by method 'ngram' only; drop them for 'mtp'")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo = None if lo is None else _positive("prompt_lookup_min", lo)
     hi = None if hi is None else _positive("prompt_lookup_max", hi)

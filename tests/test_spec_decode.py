@@ -208,7 +208,7 @@ def test_settings_are_read_shown_or_refused(tiny_qwen3_dir):
     assert (row.value, row.source) == ("ngram, k=2, n-grams of 5-5 tokens", "explicit")
     assert LLM(tiny_qwen3_dir).engine.core.config.settings["speculative_config"].value == "off"
     for bad, said in (({"method": "ngram"}, "num_speculative_tokens is required"),
-                      ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not implemented"),
+                      ({"method": "eagle", "num_speculative_tokens": 1}, "'eagle' is not implemented"),
                       ({"method": "ngram", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1},
                        r"does not read \['draft_tensor_parallel_size'\]"),
                       ({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 4,

@@ -26,7 +26,8 @@ class Speculator:
         self.grammars = grammars
         self.max_model_len = max_model_len
         self.stats = stats
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
         self.gate = SpecGate()
         self.arms = StepArms()
 
@@ -40,6 +41,8 @@ class Speculator:
             forced = self.grammars.forced_tokens(rid)
             if forced:
                 return tuple(forced[:k])
+        if self.proposer is None:  # mtp: the drafts the runner made with the request's last token
+            return req.spec_token_ids[:k]
         return self.proposer.propose(rid, req.all_token_ids, k)
 
     def drafts(self, decodes: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
@@ -78,6 +81,13 @@ class Speculator:
         self.gate.record_step(num_tokens, ms)
         self.arms.record(rows, num_drafts > 0, produced, ms)
 
+    @property
+    def lookahead(self) -> int:
+        """Cache positions past a sampled row's next token that its drafting writes (the MTP layer's runs on its
+        own drafts), which the scheduler allocates where the pool has room."""
+        return self.config.num_speculative_tokens - 1 if self.proposer is None else 0
+
     def forget(self, request_id: str) -> None:
-        self.proposer.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self.gate.forget(request_id)

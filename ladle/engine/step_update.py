@@ -65,6 +65,7 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput,
         scheduler.kv.cache_full_blocks(req, req.num_computed_tokens)
         if tok is None:
             continue
+        req.spec_token_ids = tok.drafts
         if tok.token_id == FAILED and not tok.accepted:
             broken = grammar_error(scheduler.grammars, req)  # a grammar that broke allows no token
             outs.append(scheduler.fail(req, broken or _NOT_FINITE.format(req.request_id, " or masks every token"),

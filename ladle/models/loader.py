@@ -96,16 +96,27 @@ def load_config(model_dir: str) -> Any:
     return text_config_of(config)
 
 
+def _enable_mtp(model: nn.Module, world_size: int) -> None:
+    enable = getattr(model, "enable_mtp", None)
+    if enable is None:
+        raise ValueError(f"speculative_config method 'mtp' runs Qwen3.5's MTP layer; {type(model).__name__} has "
+                         "none ladle can run; use method 'ngram'")
+    if world_size > 1:
+        raise ValueError("speculative_config method 'mtp' cannot be used with tensor_parallel_size > 1 yet")
+    enable()
+
+
 def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
     config: Any = None, tp: TensorParallel = SINGLE, dequantize: bool = False,
-    tiering: Callable[[ExpertInventory | None], ExpertTiering | None] | None = None,
+    tiering: Callable[[ExpertInventory | None], ExpertTiering | None] | None = None, mtp: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
     config.json). With tp of several ranks, only rank tp.rank's shard is built and read. dequantize: a
     quantized checkpoint's layers are widened to dtype once loaded. tiering: given the model's routed experts
-    (ladle.experts.tiering), says whether and how they leave the device (the setting resolved by the caller)."""
+    (ladle.experts.tiering), says whether and how they leave the device (the setting resolved by the caller).
+    mtp: the checkpoint's multi-token-prediction layer is built and loaded too (speculative_config method mtp)."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     files = checkpoint_files(model_dir) if load_format != "dummy" else []
@@ -119,6 +130,8 @@ def load_model(
     slices, renames = None, {}
     with torch.device("meta"):
         model = model_cls(config)
+        if mtp:
+            _enable_mtp(model, tp.world_size)
         if tp.world_size > 1:
             if not model_cls.tensor_parallel:
                 raise ValueError(f"{model_cls.__name__} has no tensor-parallel form yet; run it with "
@@ -138,6 +151,9 @@ def load_model(
     tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
     if tiered is not None:
+        if mtp:
+            raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with speculative_config "
+                             "method 'mtp' yet")
         if tp.world_size > 1 or dequantize:
             raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with "
                              f"{'tensor_parallel_size > 1' if tp.world_size > 1 else 'dequantize_weights'} yet")

@@ -13,10 +13,13 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
+from ladle.models.cpu_linear import pack_linears, use_cpu_linears
 from ladle.models.decoder import DecoderForCausalLM, MlpFactory
 from ladle.models.moe import SharedExpertMoeBlock
 from ladle.models.gated_deltanet import GatedDeltaNet, state_spec
 from ladle.models.layers import RotaryEmbedding, StackedLinear, apply_rotary, head_dim_of
+from ladle.models.qwen3_5_mtp import MultiTokenPredictor, check_mtp_layers
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -116,41 +119,84 @@ class HybridModel(nn.Module):
         return self.norm(x)
 
 
-def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def text_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                 mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The text model's tensors of a checkpoint, as HF's Qwen3_5ForCausalLM reads them: an image-text
-    checkpoint's `model.language_model.*` as `model.*`; the vision tower (`model.visual.*`) and the
-    multi-token-prediction head (`mtp.*`, for speculative decoding) left out."""
+    checkpoint's `model.language_model.*` as `model.*`; the vision tower (`model.visual.*`) left out, and the
+    multi-token-prediction layer (`mtp.*`) unless it drafts (mtp)."""
     for name, tensor in weights:
-        if name.startswith(("model.visual.", "mtp.")):
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and not mtp):
             continue
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         yield name, tensor
 
 
+def _layer_specs(config: Any, dtype: torch.dtype) -> list[CacheSpec]:
+    return [AttentionSpec(config.num_key_value_heads, head_dim_of(config), dtype) if kind == "full_attention"
+            else state_spec(config, dtype) for kind in config.layer_types]
+
+
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
-    tensor_parallel = False  # its Gated DeltaNet and gated attention layers have no sharded form yet
     """HF's Qwen3_5ForCausalLM (text only), also serving the text of Qwen3_5ForConditionalGeneration
-    checkpoints (the registry hands it their text_config)."""
+    checkpoints (the registry hands it their text_config). With enable_mtp(), its MTP layer drafts too."""
+
+    tensor_parallel = False  # its Gated DeltaNet and gated attention layers have no sharded form yet
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.mtp: MultiTokenPredictor | None = None  # (an instance attribute: a class one would hide the module)
+
+    def enable_mtp(self) -> None:
+        """Build the MTP layer (before loading): its weights load with the model's, its KV cache is the last
+        cache layer (cache_specs)."""
+        config = self.config
+        check_mtp_layers(config)
+        layer = HybridLayer(config, "full_attention", self.make_mlp(config, len(config.layer_types)))
+        self.mtp = MultiTokenPredictor(config.hidden_size, layer,
+                                       lambda: ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps))
+
+    @property
+    def mtp_cache_layer(self) -> int:
+        """The MTP layer's index among the cache layers (after the model's own)."""
+        return len(self.config.layer_types)
+
+    @property
+    def mtp_group(self) -> int:
+        """The MTP layer's KV cache group (the target's full-attention layers')."""
+        return layer_groups(self.cache_specs(torch.float32))[self.mtp_cache_layer]
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer at these positions: next_ids [T] the token after each, hidden [T, H] the normed state
+        there (the target's, or the MTP layer's own when it drafts on) -> its normed output [T, H]."""
+        assert self.mtp is not None, "enable_mtp() first"
+        embeds = self.model.embed_tokens(next_ids)
+        cos, sin = self.model.rotary_emb(positions, embeds.dtype)
+        return self.mtp(embeds, hidden, cos, sin, kv_cache, attn)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(text_weights(weights))
+        return super().load_weights(text_weights(weights, self.mtp is not None))
+
+    def lay_out_for_cpu(self) -> None:
+        """The MTP layer's linears as the model's own (ladle.models.cpu_linear)."""
+        super().lay_out_for_cpu()
+        if self.mtp is not None and self.cpu_kernels is not None and self.cpu_kernels[0] == "ladle-c":
+            use_cpu_linears(self.mtp, load_cpu_kernels())
+        elif self.mtp is not None and self.cpu_kernels is not None and self.cpu_kernels[0] == "onednn":
+            pack_linears(self.mtp)
 
     def build_model(self, config: Any) -> nn.Module:
         unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}")
-        return HybridModel(config, self.cache_specs(torch.float32), self.make_mlp)
+        return HybridModel(config, _layer_specs(config, torch.float32), self.make_mlp)
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
+        """The layers' caches, then the MTP layer's (a full-attention layer's) when it drafts."""
         config = self.config
-        specs: list[CacheSpec] = []
-        for kind in config.layer_types:
-            if kind == "full_attention":
-                specs.append(AttentionSpec(config.num_key_value_heads, head_dim_of(config), dtype))
-            else:
-                specs.append(state_spec(config, dtype))
-        return specs
+        mtp = [AttentionSpec(config.num_key_value_heads, head_dim_of(config), dtype)] if self.mtp is not None else []
+        return _layer_specs(config, dtype) + mtp
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -5,7 +5,7 @@ the plain StateUpdate the engine sends each step (ladle.runner.payload); it neve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -13,17 +13,18 @@ import torch
 from ladle.attention.backends import AttentionGroup, reference_group, select_backend
 from ladle.kernels.cpu_kernels import CpuKernels, KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.kv_cache.specs import KVCacheLayout, StateGroup, paged_group
+from ladle.kv_cache.specs import StateGroup, paged_group
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
-from ladle.runner.inputs import build_step_inputs
+from ladle.runner.inputs import StepInputs, build_step_inputs
+from ladle.runner.mtp_drafter import MtpDrafter
 from ladle.runner.step_batch import ScheduledChunk, StepBatch
 from ladle.runner.mixed_graphs import MixedGraphs
 from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.runner.runner_requests import RunnerRequests
-from ladle.runner.sampler import Sampler, SamplerOutput
+from ladle.runner.sampler import FAILED, Sampler, SamplerOutput
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
 from ladle.runner.spec_verify import accept, count_drafts, roll_back_states, row_owners, sampled_positions
@@ -36,37 +37,7 @@ class SampledToken:
     logprobs: dict[int, Logprob] | None
     # Speculative decoding: the row's accepted drafts, with their logprobs, which come before token_id.
     accepted: tuple[tuple[int, dict[int, Logprob] | None], ...] = ()
-
-
-def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, device: torch.device,
-                       num_state_slots: int = 0) -> list[tuple[torch.Tensor, ...]]:
-    """One (K, V) pair per paged layer, [num_blocks, block_size, kv heads, head dim] each; the i-th layer of
-    every paged group shares pair i (a block belongs to one group at a time; see ladle.kv_cache.specs). A
-    state layer gets its own tensors, [num_state_slots, *shape] for each of its spec's shapes."""
-    spec = layout.groups[0].spec
-    shape = (num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim)
-    pairs = []
-    for _ in range(layout.num_tensors):
-        k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        pairs.append((k, k) if spec.kv_shared else (k, torch.zeros(shape, dtype=spec.dtype, device=device)))
-    caches: list[tuple[torch.Tensor, ...]] = [pairs[i] if i >= 0 else () for _, i in layout.layer_slots(num_layers)]
-    for group in layout.state_groups:
-        for layer in group.layers:
-            caches[layer] = tuple(torch.zeros((num_state_slots, *s), dtype=d, device=device)
-                                  for s, d in zip(group.spec.shapes, group.spec.dtypes))
-    return caches
-
-
-def allocate_checkpoint_tails(layout: KVCacheLayout, num_checkpoints: int,
-                              device: torch.device) -> dict[int, torch.Tensor]:
-    """Per layer of a compressed group: one page per state checkpoint, the copy of that group's last partly
-    filled block (ladle.kv_cache.state_checkpoints)."""
-    if not num_checkpoints:
-        return {}
-    spec = layout.groups[0].spec
-    shape = (num_checkpoints, layout.block_size, spec.num_kv_heads, spec.head_dim)
-    return {layer: torch.zeros(shape, dtype=spec.dtype, device=device)
-            for g in layout.tail_groups for layer in layout.groups[g].layers}
+    drafts: tuple[int, ...] = ()  # the model's own (MTP) drafts of the tokens after token_id
 
 
 def _cpu_kernels() -> CpuKernels | None:
@@ -110,7 +81,7 @@ class ModelRunner:
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
         max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
-        first_checkpoint: int = 0, draft_rows: tuple[int, int] = (0, 0),
+        first_checkpoint: int = 0, draft_rows: tuple[int, int] = (0, 0), mtp_drafts: int = 0,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
@@ -119,7 +90,8 @@ class ModelRunner:
         which the draws of rows without a seed of their own come from (a host generator of the runner's, not
         torch's global). checkpoint_tails: allocate_checkpoint_tails'; first_checkpoint: the state tensors' row of
         checkpoint 0. draft_rows: (the state tensors' first draft row, draft rows per slot): speculative decoding
-        on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j."""
+        on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j.
+        mtp_drafts: the model's MTP layer drafts this many tokens after each sampled one (0: it does not run)."""
         self.model = model
         self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
                                             first_checkpoint)
@@ -140,6 +112,8 @@ class ModelRunner:
         self.requests = RunnerRequests(block_tables, PenaltyCounts(max_num_seqs, model.config.vocab_size, device))
         # The sampling side of the last batch, reused while the same requests sample in the same order.
         self._sampling: tuple[tuple[int, tuple[str, ...]], SamplingBatch] | None = None
+        self.drafter = MtpDrafter(model, mtp_drafts, block_size, device, self.groups, self.requests) \
+            if mtp_drafts else None
 
     @property
     def penalties(self) -> PenaltyCounts:
@@ -184,8 +158,13 @@ class ModelRunner:
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
         sampled = [s for s in specs if s.sample]
-        out = self.run(self._step_batch(specs), self._sampling_metadata(sampled),
-                       self.requests.tables(specs, self.block_size))
+        batch, tables = self._step_batch(specs), self.requests.tables(specs, self.block_size)
+        if self.drafter is None:
+            out = self.run(batch, self._sampling_metadata(sampled), tables)
+        else:
+            with torch.inference_mode():
+                hidden, inputs = self._hidden(batch, tables)
+                out = self._sample(hidden, inputs, sampled)
         self.checkpoints.save_after(specs)
         if any(s.draft_token_ids for s in sampled):
             verified = accept(sampled, out.token_ids, out.logprobs)
@@ -193,9 +172,20 @@ class ModelRunner:
                 states = [t for layer in self.state_layers for t in self.kv_caches[layer]]
                 roll_back_states(states, sampled, verified, [self.requests[s.request_id].state_slot for s in sampled],
                                  self.draft_rows)
-            return {s.request_id: SampledToken(*v) for s, v in zip(sampled, verified)}
-        rids = [s.request_id for s in sampled]
-        return {rid: SampledToken(tok, lp) for rid, tok, lp in zip(rids, out.token_ids, out.logprobs)}
+            result = {s.request_id: SampledToken(*v) for s, v in zip(sampled, verified)}
+        else:
+            result = {s.request_id: SampledToken(tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
+        if self.drafter is None:
+            return result
+        kept = {rid: (len(t.accepted), t.token_id) for rid, t in result.items() if t.token_id != FAILED}
+        drafts = self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept)
+        return {rid: replace(t, drafts=drafts.get(rid, ())) for rid, t in result.items()}
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampled: list[ChunkSpec]) -> SamplerOutput:
+        if not inputs.sampled_rows:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sampler(logits, self._sampling_metadata(sampled))
 
     @torch.inference_mode()
     def forward_shard(self, specs: list[ChunkSpec]) -> None:
@@ -275,14 +265,18 @@ class ModelRunner:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the step's tokens."""
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step, block_tables, input_ids)
-        if self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
-            hidden, inputs = self.mixed_graphs.run(step, block_tables)
-        else:
-            inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.groups,
-                                       self.num_state_groups, self.buffers)
-            ids = inputs.input_ids if input_ids is None else input_ids
-            self.state_touched = self.num_state_groups > 0
-            hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups)
+        hidden, inputs = self._hidden(step, block_tables, input_ids)
         if not inputs.sampled_rows:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _hidden(self, step: StepBatch, block_tables: tuple[torch.Tensor, ...] | None,
+                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:
+        """The final-normed hidden states of the step's tokens, and the inputs they came from."""
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(step):
+            return self.mixed_graphs.run(step, block_tables)
+        inputs = build_step_inputs(step, self.block_size, self.device, block_tables, self.groups,
+                                   self.num_state_groups, self.buffers)
+        ids = inputs.input_ids if input_ids is None else input_ids
+        self.state_touched = self.num_state_groups > 0
+        return self.model(ids, inputs.positions, self.kv_caches, inputs.attn_groups), inputs

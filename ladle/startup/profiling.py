@@ -18,7 +18,8 @@ from ladle.models.interface import RoutedExperts
 from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.runner.step_batch import ScheduledChunk
-from ladle.runner.model_runner import ModelRunner, allocate_kv_caches
+from ladle.runner.kv_allocation import allocate_kv_caches
+from ladle.runner.model_runner import ModelRunner
 from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
 
 # The costliest sampling path: sorting for top-k/top-p, penalties over prompt and output, top-20 logprobs.

@@ -17,7 +17,8 @@ from ladle.config import (
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
-from ladle.speculative_config import SpeculativeConfig, parse_speculative_config
+from ladle.speculative_config import parse_speculative_config
+from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
 from ladle.startup.expert_tiers import calibrate_tiers, tiered_line, tiering_resolver
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
@@ -31,7 +32,8 @@ from ladle.models.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer
-from ladle.runner.model_runner import ModelRunner, allocate_checkpoint_tails, allocate_kv_caches
+from ladle.runner.kv_allocation import allocate_checkpoint_tails, allocate_kv_caches
+from ladle.runner.model_runner import ModelRunner
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
 
 
@@ -91,31 +93,6 @@ def _state_limits(prov: Provenance, layout: KVCacheLayout, graph_batch: int) -> 
     return 0
 
 
-def resolve_speculative(args: EngineArgs, prov: Provenance, layout: KVCacheLayout,
-                        device: torch.device) -> SpeculativeConfig | None:
-    """The speculative config, refused where verification could not be exact yet. Rejected drafts are undone by
-    leaving their KV behind to be written over; a layer that folds each token into a per-request state (Gated
-    DeltaNet, DeepSeek-V4's compressors) instead keeps its state after each draft in rows of its own, which the
-    CUDA Gated DeltaNet kernel does not do yet."""
-    spec = parse_speculative_config(args.speculative_config)
-    if spec is None:
-        prov.put("speculative_config", "off")
-        return None
-    deltanet = [g.spec.kind for g in layout.state_groups if "deltanet" in g.spec.kind]
-    if deltanet and device.type != "cpu":
-        raise ValueError(f"speculative_config cannot be used with this model on {device.type} yet: its "
-                         f"{deltanet[0]} layers keep the state after each draft in the torch path only (the CUDA "
-                         "kernel returns the last state alone); drop speculative_config")
-    prov.put("speculative_config", spec.describe())
-    return spec
-
-
-def draft_rows_per_request(layout: KVCacheLayout, spec: SpeculativeConfig | None) -> int:
-    """State rows a running request holds beyond its slot: one per draft position on a model with state layers
-    (a rejected draft rolls the state back to the row after the last accepted one)."""
-    return spec.num_speculative_tokens if spec is not None and layout.state_groups else 0
-
-
 def _graph_limit(prov: Provenance, graph_batch: int, why: str) -> int:
     """No CUDA graphs for this model, and why; an explicit request for them is refused."""
     for name in ("max_cudagraph_capture_size", "cudagraph_mode"):
@@ -154,7 +131,8 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
     return runner_cls(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
                       cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
-                      draft_rows=(slots + cfg.num_state_checkpoints, drafts), **extra)
+                      draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative),
+                      **extra)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -209,8 +187,10 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)
+    speculative = parse_speculative_config(args.speculative_config)
+    mtp = speculative is not None and speculative.method == "mtp"
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
-                                  args.dequantize_weights, tiering_resolver(args, prov, budget, device))
+                                  args.dequantize_weights, tiering_resolver(args, prov, budget, device), mtp)
     lending = keep_lending(lending, model, prov)
     if model.cpu_kernels is not None and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
@@ -236,13 +216,15 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     async_scheduling = bool(args.async_scheduling)
     if tp.world_size > 1:
         graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
+    if mtp:
+        graph_batch, async_scheduling = mtp_limits(prov, args, graph_batch)
     graph_mode = resolve_cudagraph_mode(args, graph_batch, prov)
     backend, why = resolve_backend(device, args.attention_backend)
     prov.put("attention_backend", backend, why)
     for group in layout.groups:
         select_backend(device, group.spec, backend)  # fails now, with the reason, if a group has no backend here
 
-    speculative = resolve_speculative(args, prov, layout, device)
+    speculative = resolve_speculative(speculative, prov, layout, device)
     points = _activation_profile(args, prov, model, hf_config, layout, device, context, backend, tp)
     # A decode row with k drafts samples k + 1 positions: the logits and sampling rows a step may hold.
     activation = fit_activation_model(points, args.max_num_seqs * (1 + (speculative.num_speculative_tokens

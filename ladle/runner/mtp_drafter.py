@@ -1,0 +1,108 @@
+"""Drafts from the model's own multi-token-prediction layer (speculative_config method `mtp`), made in the step
+whose tokens they follow, from that step's hidden states.
+
+Every step runs the MTP layer over all of its positions, prefill chunks included, so its KV cache holds every
+position whatever the chunking (a chunk that samples nothing reads the prompt's next token; a decode row's
+position after its last accepted draft reads the token sampled there; positions of rejected drafts are written
+over by the next step). A sampled row then drafts: draft 1 from the MTP output at its last kept position, each
+further one from the MTP layer run on the previous draft and output one position on. Those runs write the MTP
+cache one position past the row's next token at most k - 1 times; the scheduler allocates that lookahead where
+the pool has it, and a row whose table ends earlier drafts fewer tokens.
+
+Drafts only change how many tokens a step may accept, never which: verification (ladle.runner.spec_verify)
+keeps the target's samples.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ladle.attention.backends import AttentionGroup
+from ladle.runner.inputs import StepInputs, build_step_inputs
+from ladle.runner.payload import ChunkSpec
+from ladle.runner.runner_requests import RunnerRequests
+from ladle.runner.step_batch import StepBatch
+from ladle.runner.step_buffers import StepBuffers
+
+class MtpDrafter:
+    def __init__(self, model: Any, num_speculative_tokens: int, block_size: int, device: torch.device,
+                 groups: tuple[AttentionGroup, ...], requests: RunnerRequests) -> None:
+        self.model = model
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.device = device
+        self.groups = groups
+        self.requests = requests
+        self.layer, self.group = model.mtp_cache_layer, model.mtp_group
+        self.buffers = StepBuffers(device)  # the draft runs' inputs, apart from the step's
+
+    @torch.inference_mode()
+    def propose(self, kv_caches: list[tuple[torch.Tensor, ...]], specs: list[ChunkSpec], batch: StepBatch,
+                inputs: StepInputs, hidden: torch.Tensor,
+                kept: dict[str, tuple[int, int]]) -> dict[str, tuple[int, ...]]:
+        """The next step's drafts of each sampled row of this step, which ran specs as batch into hidden. kept:
+        each sampled row's (accepted drafts, sampled token); a row whose sample failed is not in it."""
+        next_ids = np.zeros(len(batch.token_ids), dtype=np.int64)  # a rejected draft's position reads 0
+        rows: list[tuple[str, int, int]] = []  # (request, index of its last kept position, drafts wanted)
+        start = 0
+        for s, n in zip(specs, batch.num_tokens):
+            next_ids[start : start + n - 1] = batch.token_ids[start + 1 : start + n]
+            req = self.requests[s.request_id]
+            got = kept.get(s.request_id) if s.sample else None
+            if not s.sample:  # a chunk that samples nothing continues with the prompt
+                next_ids[start + n - 1] = req.token_at(s.start_pos + n)
+            elif got is None:  # its sample failed, so it ends: nothing to draft
+                next_ids[start + n - 1] = 0
+            else:
+                accepted, token = got
+                at = start + n - 1 - len(s.draft_token_ids) + accepted
+                next_ids[at] = token
+                own = req.params.num_speculative_tokens
+                wanted = self.k if own is None else min(own, self.k)
+                if wanted > 0:
+                    rows.append((s.request_id, at, wanted))
+            start += n
+        ids = torch.from_numpy(next_ids).to(self.device)
+        out = self.model.mtp_forward(ids, inputs.positions, hidden, kv_caches[self.layer],
+                                     inputs.attn_groups[self.group])
+        if not rows:
+            return {}
+        at = torch.tensor([r[1] for r in rows], device=self.device)
+        last = out[at]
+        drafts = [[t] for t in self._argmax(last)]
+        positions = (inputs.positions[at] + 1).tolist()
+        live = list(range(len(rows)))  # the rows `last` holds the MTP output of, in its order
+        for step in range(1, self.k):
+            keep = [j for j, i in enumerate(live) if rows[i][2] > step and self._has_room(rows[i][0], positions[i])]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                last = last[torch.tensor(keep, device=self.device)]
+                live = [live[j] for j in keep]
+            last = self._run_on([rows[i][0] for i in live], [drafts[i][-1] for i in live],
+                                [positions[i] for i in live], last, kv_caches)
+            for i, t in zip(live, self._argmax(last)):
+                drafts[i].append(t)
+                positions[i] += 1
+        return {rows[i][0]: tuple(d) for i, d in enumerate(drafts)}
+
+    def _argmax(self, hidden: torch.Tensor) -> list[int]:
+        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+    def _has_room(self, request_id: str, position: int) -> bool:
+        """Whether the request's table reaches this position (the draft run writes the MTP cache there)."""
+        return len(self.requests[request_id].tables[self.group]) * self.block_size > position
+
+    def _run_on(self, request_ids: list[str], tokens: list[int], positions: list[int], hidden: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """One MTP position per row: token at position, after hidden (the row's previous MTP output)."""
+        reqs = [self.requests[r] for r in request_ids]
+        batch = StepBatch(tokens, positions, [1] * len(tokens), [True] * len(tokens), [r.tables for r in reqs],
+                          [-1] * len(tokens))
+        tables = self.requests.tables([ChunkSpec(r, p, 1, True) for r, p in zip(request_ids, positions)],
+                                      self.block_size)
+        inputs = build_step_inputs(batch, self.block_size, self.device, tables, self.groups, 0, self.buffers)
+        return self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, kv_caches[self.layer],
+                                      inputs.attn_groups[self.group])
