@@ -24,6 +24,7 @@ from report_scheduling import fairness  # noqa: E402
 from report_structured import structured  # noqa: E402
 from report_long_context import long_context  # noqa: E402
 from report_spec_decode import spec_decode  # noqa: E402
+from report_spec_decode_mtp import spec_decode_mtp  # noqa: E402
 from report_expert_tiering import expert_tiering  # noqa: E402
 
 
@@ -231,7 +232,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("vllm_serve_side_by_side", vllm_serve_peer), ("vllm_serve_side_by_side_768", vllm_serve_peer),
     ("tensor_parallel", tensor_parallel), ("agent_turns", agent_turns), ("quantized", quantized),
     ("structured", structured), ("long_context", long_context), ("spec_decode", spec_decode),
-    ("expert_tiering", expert_tiering)]
+    ("spec_decode_mtp", spec_decode_mtp), ("expert_tiering", expert_tiering)]
 
 
 GPU_GOALS = [

@@ -177,6 +177,36 @@ def test_seeded_rows_draw_the_same_tokens_with_drafts(predictable_dir, prompts):
     assert llm.stats.spec_decode_num_accepted_tokens > 0
 
 
+def test_a_request_opts_out_or_caps_its_drafts(predictable_dir, prompts, plain_greedy):
+    """num_speculative_tokens 0: the MTP layer makes no drafts for that request; 1: one a step at most."""
+    from dataclasses import replace
+
+    llm = drafting(LLM(predictable_dir, max_num_batched_tokens=64, max_model_len=1024, speculative_config=mtp(3)))
+    stats = llm.stats
+    for cap, most in ((0, 0), (1, 1), (None, 3)):
+        before = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens)
+        assert ladle_tokens(llm, prompts, replace(GREEDY, num_speculative_tokens=cap)) == plain_greedy
+        rows, drafted = stats.spec_decode_num_drafts - before[0], stats.spec_decode_num_draft_tokens - before[1]
+        assert drafted <= most * rows and (drafted > 0) == (most > 0)
+
+
+def test_qwen3_5_moe_drafts_through_its_experts(tmp_path):
+    """The MoE model's MTP layer routes through experts of its own; the tokens are the plain run's and HF's."""
+    from ladle.demo import build_checkpoint
+
+    moe = dict(_Q35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    path = make_predictable(add_mtp_layer(build_checkpoint(tmp_path / "moe", "qwen3_5_moe", **moe), seed=2), 0.12)
+    prompts = [[random.Random(i).randrange(500) for _ in range(30)] for i in range(2)]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = drafting(LLM(path, max_num_batched_tokens=64, max_prefill_length=19, max_model_len=1024,
+                       speculative_config=mtp(3)))
+    assert ladle_tokens(llm, prompts, GREEDY) == [hf_greedy(hf, p, 40) for p in prompts]
+    assert 0 < llm.stats.spec_decode_num_accepted_tokens < llm.stats.spec_decode_num_draft_tokens
+
+
 def test_what_cannot_run_is_refused_by_name(tiny_qwen3_dir, random_mtp_dir, tmp_path):
     from ladle.demo import build_checkpoint
 

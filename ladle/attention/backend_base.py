@@ -1,6 +1,6 @@
 """What every attention backend does besides attending: build its metadata for one step and one KV cache group
-(build_metadata; a backend that plans per step keeps its plan there, not in itself), and run DeepSeek-V4's
-sink attention (the torch reference unless it has a kernel of its own)."""
+(build_metadata; a backend that plans per step keeps its plan there, not in itself), write K/V alone, and run
+DeepSeek-V4's sink attention (the torch reference unless it has a kernel of its own)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +29,13 @@ class BackendBase:
                        block_tables: torch.Tensor, window: int | None) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping, common.cu_seqlens_q, common.context_lens, block_tables,
                                  common.query_lens, common.context_lens_host, common.block_size, window, self)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 attn: AttentionMetadata) -> None:
+        """Only the K/V write of a call, for queries nobody reads (the MTP layer's positions that draft nothing)."""
+        from ladle.attention.torch_ref import write_kv
+
+        write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
 
     def sink_attention(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                        window: int, sinks: torch.Tensor, scale: float,

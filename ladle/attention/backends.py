@@ -49,6 +49,12 @@ class TritonAttention(BackendBase):
 
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 attn: AttentionMetadata) -> None:
+        from ladle.attention import triton_attention
+
+        triton_attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+
     def sink_attention(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                        window: int, sinks: torch.Tensor, scale: float,
                        entries: CompressedEntries | None) -> torch.Tensor:

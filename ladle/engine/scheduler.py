@@ -126,8 +126,8 @@ class Scheduler:
             chunks.append(ScheduledRequest(c.request, c.request.num_computed_tokens, n, True))
             scheduled.add(c.request.request_id)
         out.scheduled += self._top_up(chunks, budget - sum(s.num_new_tokens for s in chunks))
-        if self.speculator is not None and self.speculator.lookahead:
-            self._look_ahead(out, self.speculator.lookahead)
+        if self.speculator is not None and self.speculator.proposer is None:
+            self._ask_for_drafts(out)
         for i, s in enumerate(out.scheduled):
             if s.is_prefill:
                 self._log_chunk(s)
@@ -143,12 +143,19 @@ class Scheduler:
         start = req.num_computed_tokens
         return drafts if self.kv.allocate(req.request_id, start + 1 + len(drafts), num_computed=start) else ()
 
-    def _look_ahead(self, out: SchedulerOutput, n: int) -> None:
-        """Blocks for n positions past each sampled row's next token (the MTP drafts' cache writes), where the pool
-        has them without preempting anyone: a row without them drafts fewer tokens."""
-        for s in out.scheduled:
-            if s.samples:
-                self.kv.allocate(s.request.request_id, s.start_pos + s.num_new_tokens + n, num_computed=s.start_pos)
+    def _ask_for_drafts(self, out: SchedulerOutput) -> None:
+        """mtp: the drafts each sampled row's MTP layer is to make (Speculator.proposals), with blocks for the
+        n - 1 positions past its next token that making n writes, where the pool has them without preempting
+        anyone (a row without them drafts fewer)."""
+        assert self.speculator is not None
+        wanted = self.speculator.proposals([s.request for s in out.scheduled if s.samples])
+        for i, s in enumerate(out.scheduled):
+            n = wanted.get(s.request.request_id, 0)
+            if n:
+                out.scheduled[i] = replace(s, num_proposals=n)
+                if n > 1:
+                    self.kv.allocate(s.request.request_id, s.start_pos + s.num_new_tokens + n - 1,
+                                     num_computed=s.start_pos)
 
     def _checkpoint_at(self, req: Request, start: int) -> int | None:
         return checkpoint_at(self.kv, self.config.state_checkpoint_interval, req, start)

@@ -45,28 +45,49 @@ class Speculator:
             return req.spec_token_ids[:k]
         return self.proposer.propose(rid, req.all_token_ids, k)
 
-    def drafts(self, decodes: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
-        """Each drafting row's drafts, within the step's token budget (each decode row's own token first)."""
+    def _cap(self, req: Request, left: int) -> int:
+        """The most drafts the row may carry: never past max_tokens or max_model_len (the row's own token comes
+        after its drafts), nor more than the request allows (its opt-out: num_speculative_tokens 0)."""
+        own = req.sampling_params.num_speculative_tokens
+        return min(self.config.num_speculative_tokens if own is None else own, self.config.num_speculative_tokens,
+                   left, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+
+    def _off(self, rows: int) -> bool:
         off = self.config.disable_by_batch_size
-        if (off is not None and len(decodes) > off) or not self.arms.drafts_now(len(decodes)):
+        return (off is not None and rows > off) or not self.arms.drafts_now(rows)
+
+    def drafts(self, decodes: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
+        """Each drafting row's drafts, within the step's token budget (each decode row's own token first). The
+        model's own drafts (mtp) were gated when the step before asked for them (proposals)."""
+        mtp = self.proposer is None
+        if not mtp and self._off(len(decodes)):
             return {}
         out: dict[str, tuple[int, ...]] = {}
         left = budget - len(decodes)
         for req in decodes:
             if left <= 0:
                 break
-            # Never past max_tokens or max_model_len: the row's own token comes after its drafts; never more than
-            # the request allows (its opt-out: num_speculative_tokens 0).
-            own = req.sampling_params.num_speculative_tokens
-            k = min(self.config.num_speculative_tokens if own is None else own, self.config.num_speculative_tokens,
-                    left, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            k = self._cap(req, left)
             if k <= 0:
                 continue
             drafts = self._propose(req, k)
-            take = self.gate.allows(req.request_id, len(drafts), len(decodes)) if drafts else 0
+            take = len(drafts) if mtp else self.gate.allows(req.request_id, len(drafts), len(decodes)) if drafts else 0
             if take:
                 out[req.request_id] = drafts[:take]
                 left -= take
+        return out
+
+    def proposals(self, sampled: list[Request]) -> dict[str, int]:
+        """mtp: how many drafts the runner's MTP layer is to make after each of these rows' sampled token, for
+        the step after. Gated here, as making them costs the step that samples."""
+        if self.proposer is not None or not sampled or self._off(len(sampled)):
+            return {}
+        out = {}
+        for req in sampled:
+            k = self._cap(req, self.config.num_speculative_tokens)
+            take = self.gate.allows(req.request_id, k, len(sampled)) if k > 0 else 0
+            if take:
+                out[req.request_id] = take
         return out
 
     def verified(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -80,12 +101,6 @@ class Speculator:
         `produced` tokens in ms."""
         self.gate.record_step(num_tokens, ms)
         self.arms.record(rows, num_drafts > 0, produced, ms)
-
-    @property
-    def lookahead(self) -> int:
-        """Cache positions past a sampled row's next token that its drafting writes (the MTP layer's runs on its
-        own drafts), which the scheduler allocates where the pool has room."""
-        return self.config.num_speculative_tokens - 1 if self.proposer is None else 0
 
     def forget(self, request_id: str) -> None:
         if self.proposer is not None:

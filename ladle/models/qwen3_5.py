@@ -58,14 +58,27 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q_gate, k, v = self._qkv(x, cos, sin)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = _partial_rope(self.q_norm(q), cos, sin)
-        k = _partial_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = attn.backend(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], attn, self.scale)
+        o = attn.backend(q.contiguous(), k, v, kv_cache[0], kv_cache[1], attn, self.scale)
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)
+
+
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                 attn: AttentionMetadata) -> None:
+        """Only these positions' K/V into the cache: what a later query reads of them."""
+        _, k, v = self._qkv(x, cos, sin)
+        attn.backend.write_kv(k, v, kv_cache[0], kv_cache[1], attn)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the query and gate rows, roped and normed K [T, kv heads, head dim], V likewise)."""
+        t = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        k = _partial_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        return q_gate, k.contiguous(), v.view(t, self.num_kv_heads, self.head_dim)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,12 +180,17 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return layer_groups(self.cache_specs(torch.float32))[self.mtp_cache_layer]
 
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                    write_only: bool = False) -> torch.Tensor | None:
         """The MTP layer at these positions: next_ids [T] the token after each, hidden [T, H] the normed state
-        there (the target's, or the MTP layer's own when it drafts on) -> its normed output [T, H]."""
+        there (the target's, or the MTP layer's own when it drafts on) -> its normed output [T, H]; write_only:
+        only its K/V into the cache, for later positions to read (None)."""
         assert self.mtp is not None, "enable_mtp() first"
         embeds = self.model.embed_tokens(next_ids)
         cos, sin = self.model.rotary_emb(positions, embeds.dtype)
+        if write_only:
+            self.mtp.write_kv(embeds, hidden, cos, sin, kv_cache, attn)
+            return None
         return self.mtp(embeds, hidden, cos, sin, kv_cache, attn)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

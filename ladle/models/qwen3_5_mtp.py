@@ -43,6 +43,14 @@ class MultiTokenPredictor(nn.Module):
                 kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
         """embeds [T, H]: the embedded next tokens; hidden [T, H]: the target's (or this layer's own) normed
         output at each position -> this layer's normed output [T, H], whose logits are the drafts'."""
-        x = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
-        x = self.layers[0](x, cos, sin, kv_cache, attn)
+        x = self.layers[0](self._input(embeds, hidden), cos, sin, kv_cache, attn)
         return self.norm(x)
+
+    def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> None:
+        """Only the layer's K/V at these positions: a fraction of the layer (no queries, attention or MLP)."""
+        layer = self.layers[0]
+        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), cos, sin, kv_cache, attn)
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))

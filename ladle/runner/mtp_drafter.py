@@ -1,13 +1,15 @@
 """Drafts from the model's own multi-token-prediction layer (speculative_config method `mtp`), made in the step
 whose tokens they follow, from that step's hidden states.
 
-Every step runs the MTP layer over all of its positions, prefill chunks included, so its KV cache holds every
-position whatever the chunking (a chunk that samples nothing reads the prompt's next token; a decode row's
+Every step writes the MTP layer's K/V at all of its positions, prefill chunks included, so its KV cache holds
+every position whatever the chunking (a chunk that samples nothing reads the prompt's next token; a decode row's
 position after its last accepted draft reads the token sampled there; positions of rejected drafts are written
-over by the next step). A sampled row then drafts: draft 1 from the MTP output at its last kept position, each
-further one from the MTP layer run on the previous draft and output one position on. Those runs write the MTP
-cache one position past the row's next token at most k - 1 times; the scheduler allocates that lookahead where
-the pool has it, and a row whose table ends earlier drafts fewer tokens.
+over by the next step). Only K/V: no position of a step reads the MTP layer's output but a drafting row's last
+kept one, which runs the whole layer as a one-token query. A sampled row the engine asks n drafts of (ChunkSpec.num_proposals, gated by what
+drafts pay) then drafts: draft 1 from the MTP output at its last kept position, each further one from the MTP
+layer run on the previous draft and output one position on. Those runs write the MTP cache up to n - 1
+positions past the row's next token; the scheduler allocates them where the pool has room, and a row whose table
+ends earlier drafts fewer tokens.
 
 Drafts only change how many tokens a step may accept, never which: verification (ladle.runner.spec_verify)
 keeps the target's samples.
@@ -46,6 +48,7 @@ class MtpDrafter:
         each sampled row's (accepted drafts, sampled token); a row whose sample failed is not in it."""
         next_ids = np.zeros(len(batch.token_ids), dtype=np.int64)  # a rejected draft's position reads 0
         rows: list[tuple[str, int, int]] = []  # (request, index of its last kept position, drafts wanted)
+        positions: list[int] = []  # of those positions
         start = 0
         for s, n in zip(specs, batch.num_tokens):
             next_ids[start : start + n - 1] = batch.token_ids[start + 1 : start + n]
@@ -59,22 +62,22 @@ class MtpDrafter:
                 accepted, token = got
                 at = start + n - 1 - len(s.draft_token_ids) + accepted
                 next_ids[at] = token
-                own = req.params.num_speculative_tokens
-                wanted = self.k if own is None else min(own, self.k)
-                if wanted > 0:
-                    rows.append((s.request_id, at, wanted))
+                if s.num_proposals > 0:
+                    rows.append((s.request_id, at, min(s.num_proposals, self.k)))
+                    positions.append(s.start_pos + at - start)
             start += n
         ids = torch.from_numpy(next_ids).to(self.device)
-        out = self.model.mtp_forward(ids, inputs.positions, hidden, kv_caches[self.layer],
-                                     inputs.attn_groups[self.group])
+        self.model.mtp_forward(ids, inputs.positions, hidden, kv_caches[self.layer], inputs.attn_groups[self.group],
+                               write_only=True)
         if not rows:
             return {}
-        at = torch.tensor([r[1] for r in rows], device=self.device)
-        last = out[at]
+        at = [r[1] for r in rows]
+        last = self._run_on([r[0] for r in rows], next_ids[at].tolist(), positions,
+                            hidden[torch.tensor(at, device=self.device)], kv_caches)
         drafts = [[t] for t in self._argmax(last)]
-        positions = (inputs.positions[at] + 1).tolist()
         live = list(range(len(rows)))  # the rows `last` holds the MTP output of, in its order
         for step in range(1, self.k):
+            positions = [p + 1 for p in positions]
             keep = [j for j, i in enumerate(live) if rows[i][2] > step and self._has_room(rows[i][0], positions[i])]
             if not keep:
                 break
@@ -85,7 +88,6 @@ class MtpDrafter:
                                 [positions[i] for i in live], last, kv_caches)
             for i, t in zip(live, self._argmax(last)):
                 drafts[i].append(t)
-                positions[i] += 1
         return {rows[i][0]: tuple(d) for i, d in enumerate(drafts)}
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:

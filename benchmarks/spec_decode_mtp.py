@@ -1,0 +1,127 @@
+"""Speculative decoding with the model's own MTP layer (method mtp): decode tok/s with and without its drafts,
+batch 1 and 16, on a model whose MTP layer predicts it well and on one whose MTP layer is random (the gate's case).
+
+The model is `qwen3.5-512` (6 Gated DeltaNet and 2 gated full-attention layers, hidden 512, 32K vocabulary,
+random weights, fp32) given an MTP layer (ladle.testing.mtp_checkpoint). For the predicted model its weights are
+rebuilt so that drafts are worth verifying: the head maps each token's embedding to a fixed successor (a random
+permutation), every layer's output projections are scaled down to `--noise`, and the MTP layer reads its token
+input almost alone. The target then follows the successor map except where its layers' small contribution tips
+the argmax, which is where drafts are rejected; --noise sets how often (about 1 in 10 at 0.0027). The random
+model keeps build_checkpoint's weights and a random MTP layer: its drafts are almost never accepted.
+Prompts are random tokens; greedy, 128 tokens a row.
+
+Decode tok/s counts decode-only steps (benchmarks/spec_decode.py's decode_run). The plain side is the same engine
+with its speculator and its runner's drafter detached, so it runs no MTP layer at all; plain and speculative turns
+alternate, the ratio is taken per turn, then the median. The tokens with drafts equal the plain run's (checked).
+
+    python benchmarks/spec_decode_mtp.py --out spec_decode_mtp
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import build_model, cache_dir, model_facts, save  # noqa: E402
+from spec_decode import _decode_run  # noqa: E402
+from ladle import LLM  # noqa: E402
+from ladle.testing.mtp_checkpoint import add_mtp_layer, make_predictable  # noqa: E402
+
+BASE = "qwen3.5-512"
+
+
+def mtp_model(noise: float | None) -> str:
+    """BASE with an MTP layer: predictable at this noise, or random (None); built once into the cache."""
+    name = f"{BASE}-mtp-" + ("random" if noise is None else f"p{noise}")
+    out = cache_dir() / name
+    if not (out / "done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(build_model(BASE), out)
+        (out / "done").unlink()
+        add_mtp_layer(str(out), seed=1)
+        if noise is not None:
+            make_predictable(str(out), noise, seed=2)
+        (out / "done").write_text("ok\n")
+    return str(out)
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str, drafts: bool) -> dict:
+    """spec_decode's decode_run; drafts False detaches the speculator and the runner's MTP drafter too."""
+    scheduler, runner = llm.engine.core.scheduler, llm.engine.core.model_executor.runner
+    speculator, drafter = scheduler.speculator, runner.drafter
+    if not drafts:
+        scheduler.speculator, runner.drafter = None, None
+    try:
+        return _decode_run(llm, prompts, tokens, tag)
+    finally:
+        scheduler.speculator, runner.drafter = speculator, drafter
+
+
+def force_drafts(llm: LLM) -> LLM:
+    speculator = llm.engine.core.scheduler.speculator
+    speculator.gate.allows = lambda rid, k, rows: k
+    speculator.arms.drafts_now = lambda rows: True
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--k", nargs="+", type=int, default=[1, 3])
+    ap.add_argument("--noise", type=float, default=0.0027)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="spec_decode_mtp")
+    args = ap.parse_args()
+    most = max(args.batches)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(args.prompt)] for _ in range(most)]
+    kw = dict(max_num_seqs=most, max_model_len=2048, max_num_batched_tokens=most * 512)
+    predicted, rand = mtp_model(args.noise), mtp_model(None)
+    cases = [("predicted", b, k) for b in args.batches for k in args.k]
+    cases += [("random", b, args.k[-1]) for b in args.batches]
+    cases += [("random, gate off", b, args.k[-1]) for b in args.batches]
+    tags = iter(range(10**9))
+    rows = []
+    for workload, batch, k in cases:
+        llm = LLM(predicted if workload == "predicted" else rand,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+        if workload == "random, gate off":
+            force_drafts(llm)
+        batch_prompts = prompts[:batch]
+        for with_drafts in (False, True):  # warm: shapes, and the prefix cache for these prompts
+            decode_run(llm, batch_prompts, 8, f"w{next(tags)}", with_drafts)
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for turn in range(args.repeats):
+            for with_drafts in (False, True) if turn % 2 == 0 else (True, False):
+                runs[with_drafts].append(decode_run(llm, batch_prompts, args.tokens, f"t{next(tags)}", with_drafts))
+        llm.shutdown()
+        plain, fast = runs[False], runs[True]
+        assert all(p["outputs"] == f["outputs"] for p, f in zip(plain, fast)), "drafts changed the tokens"
+        drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
+        with_drafts = sum(r["rows_with_drafts"] for r in fast)
+        row = {"workload": workload, "batch": batch, "k": k,
+               "plain_tok_s": statistics.median(r["tok_s"] for r in plain),
+               "spec_tok_s": statistics.median(r["tok_s"] for r in fast),
+               "ratio": statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)),
+               "ratios": [f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)],
+               "drafted": drafted, "accepted": accepted,
+               "acceptance_rate": accepted / drafted if drafted else 0.0,
+               "mean_acceptance_length": 1 + accepted / with_drafts if with_drafts else 1.0,
+               "rows_with_drafts": with_drafts}
+        rows.append(row)
+        print(f"{workload} batch {batch} k {k}: {row['plain_tok_s']:.1f} -> {row['spec_tok_s']:.1f} decode tok/s "
+              f"({row['ratio']:.2f}x), accepted {accepted}/{drafted}, mean acceptance length "
+              f"{row['mean_acceptance_length']:.2f}", flush=True)
+    save(args.out, {"model": BASE + " + MTP layer", "facts": model_facts(predicted), "noise": args.noise,
+                    "tokens": args.tokens, "repeats": args.repeats, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
