@@ -177,6 +177,26 @@ def test_seeded_rows_draw_the_same_tokens_with_drafts(predictable_dir, prompts):
     assert llm.stats.spec_decode_num_accepted_tokens > 0
 
 
+def test_unseeded_random_rows_sample_the_same_distribution(predictable_dir, prompts):
+    """600 unseeded samples of the first three tokens (top_k=3): their joint distribution with MTP drafts is the
+    plain one's (two-sample chi-square, the n-gram test's)."""
+    from collections import Counter
+
+    from test_spec_decode import _chi_square_p
+
+    params = SamplingParams(n=600, temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts[0]}
+
+    def sample(engine: LLM) -> Counter:
+        return Counter(tuple(c.token_ids) for c in engine.generate([prompt], params, use_tqdm=False)[0].outputs)
+
+    llm = drafting(LLM(predictable_dir, max_num_batched_tokens=512, max_model_len=1024, speculative_config=mtp(3)))
+    with_drafts = sample(llm)
+    assert llm.stats.spec_decode_num_accepted_tokens > 50
+    assert _chi_square_p(with_drafts, sample(LLM(predictable_dir, max_num_batched_tokens=512,
+                                                  max_model_len=1024))) > 1e-3
+
+
 def test_a_request_opts_out_or_caps_its_drafts(predictable_dir, prompts, plain_greedy):
     """num_speculative_tokens 0: the MTP layer makes no drafts for that request; 1: one a step at most."""
     from dataclasses import replace

@@ -12,7 +12,7 @@ every CSA layer, then the state of every compressed layer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,65 +23,15 @@ from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
 from ladle.models.cpu_linear import pack
-from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Attention, Dsv4Rope
-from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
+from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Rope
+from ladle.models.deepseek_v4_block import Block, hyper_head
+from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm
+from ladle.models.deepseek_v4_mtp import Dsv4MultiTokenPredictor, check_mtp_layers
 from ladle.models.decoder import copy_checkpoint
-from ladle.models.deepseek_v4_moe import MoE
 from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
 
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
-
-
-def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
-                  iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, H] -> (post [T, n], comb [T, n, n], the streams collapsed by pre [T, H]), all weights
-    from one projection of the normed streams, in fp32; comb is made doubly stochastic by Sinkhorn."""
-    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
-
-
-class Block(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        h, n = config.hidden_size, config.hc_mult
-        self.attn = Dsv4Attention(config, config.layer_types[layer_idx])
-        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe")
-        self.attn_norm, self.ffn_norm = Dsv4RMSNorm(h, config.rms_norm_eps), Dsv4RMSNorm(h, config.rms_norm_eps)
-        mix = (2 + n) * n
-        for part in ("attn", "ffn"):
-            setattr(self, f"hc_{part}_fn", nn.Parameter(torch.empty(mix, n * h)))
-            setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
-            setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
-        self.hc = (n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-
-    def _mixed(self, part: str, streams: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        post, comb, collapsed = hyper_weights(streams, getattr(self, f"hc_{part}_fn"),
-                                              getattr(self, f"hc_{part}_base"), getattr(self, f"hc_{part}_scale"),
-                                              *self.hc)
-        out = block(collapsed)
-        dtype = streams.dtype
-        # comb mixes the input streams transposed: output stream k gets sum_j comb[j, k] * stream j.
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                               streams)
-
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, rope: Any,
-                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
-                compressed: CompressedCaches | None) -> torch.Tensor:
-        streams = self._mixed("attn", streams, lambda h: self.attn(self.attn_norm(h), positions, rope, kv_cache,
-                                                                   attn, compressed))
-        return self._mixed("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), input_ids))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -97,7 +47,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         if not weight.is_meta:
             nn.init.normal_(weight)
         self.embed = nn.Embedding(config.vocab_size, h, _weight=weight)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, config.layer_types[i], config.mlp_layer_types[i])
+                                    for i in range(config.num_hidden_layers))
         self.norm = Dsv4RMSNorm(h, config.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * h))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
@@ -112,7 +63,40 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.entries_layer = {layer: n + j for j, layer in enumerate(self.compressed)}
         self.index_layer = {layer: n + len(self.compressed) + j for j, layer in enumerate(csa)}
         self.state_layer = {layer: n + len(self.compressed) + len(csa) + j for j, layer in enumerate(self.compressed)}
+        self.mtp: Dsv4MultiTokenPredictor | None = None
         self.layer_group = layer_groups(self.cache_specs(torch.float32))
+
+    def enable_mtp(self) -> None:
+        """Build the MTP layer (before loading): its weights load with the model's (`mtp.0.*`), its window is the
+        last cache layer (cache_specs)."""
+        check_mtp_layers(self.config)
+        self.mtp = Dsv4MultiTokenPredictor(self.config)
+
+    @property
+    def mtp_cache_layer(self) -> int:
+        return len(self.cache_specs(torch.float32)) - 1
+
+    @property
+    def mtp_group(self) -> int:
+        return layer_groups(self.cache_specs(torch.float32))[self.mtp_cache_layer]
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                    write_only: bool = False) -> torch.Tensor | None:
+        """The MTP layer at these positions: next_ids [T] the token after each, hidden [T, n * H] the streams
+        there (the model's, or the MTP layer's own when it drafts on) -> its output streams; write_only: only its
+        window K=V, for later positions to read (None)."""
+        assert self.mtp is not None, "enable_mtp() first"
+        embeds, rope = self.embed(next_ids), self.ropes["main"]
+        if write_only:
+            self.mtp.write_kv(embeds, hidden, positions, rope, kv_cache, attn)
+            return None
+        return self.mtp.run(embeds, hidden, next_ids, positions, rope, kv_cache, attn)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's output streams -> logits: its own collapse and norm, the model's head."""
+        assert self.mtp is not None
+        return self.head_logits(self.mtp.collapse(hidden))
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """Per layer its window's K=V vectors; per compressed layer its entries (and indexer keys), paged by
@@ -132,10 +116,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         for i in self.compressed:
             shapes = tuple(self.layers[i].attn.state_shapes())
             specs.append(StateSpec(shapes, (dtype,) * len(shapes), f"{config.layer_types[i]} compressor state"))
-        return specs
+        return specs + ([window] if self.mtp is not None else [])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
                 meta: tuple[AttentionMetadata | StateMetadata, ...]) -> torch.Tensor:
+        """-> the hyper-connected streams, flattened [T, n * H]: compute_logits collapses the rows it needs, and
+        the MTP layer reads them whole."""
         config = self.config
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, config.hc_mult, -1).contiguous()
@@ -144,10 +130,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             assert isinstance(attn, AttentionMetadata)
             rope = self.ropes["main" if config.layer_types[i] == "sliding_attention" else "compress"]
             streams = layer(streams, input_ids, positions, rope, caches[i], attn, self._compressed(i, caches, meta))
-        flat = unweighted_rms_norm(streams.flatten(1).float(), config.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
-                            + self.hc_head_base.float()) + config.hc_eps
-        return self.norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype))
+        return streams.flatten(1)
 
     def _compressed(self, layer: int, caches: list[tuple[torch.Tensor, ...]],
                     meta: tuple[AttentionMetadata | StateMetadata, ...]) -> CompressedCaches | None:
@@ -163,6 +146,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                                 caches[state], smeta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: forward's streams [N, n * H] -> fp32 logits: collapsed (hc_head), normed, through the head."""
+        config = self.config
+        streams = hidden.view(hidden.shape[0], config.hc_mult, config.hidden_size)
+        return self.head_logits(self.norm(hyper_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                                                     config.hc_eps, config.rms_norm_eps)))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.head is None else self.head.weight
         return F.linear(hidden, weight).float()
 
@@ -196,19 +186,22 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @staticmethod
     def checkpoint_name(raw: str) -> str:
-        """A checkpoint tensor's name as this model's parameters have it (HF saves a `model.` prefix)."""
+        """A checkpoint tensor's name as this model's parameters have it (HF saves a `model.` prefix; the one MTP
+        layer's `mtp.0.` is the module `mtp`)."""
         name = raw.removeprefix("model.")
+        if name.startswith("mtp.0."):
+            return "mtp." + name.removeprefix("mtp.0.")
         return _RENAMES.get(name, name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); multi-token
-        prediction layers (`mtp.*`) are skipped. Returns the parameters loaded; raises on unknown names and
+        prediction layer (`mtp.*`) is read only when it drafts (enable_mtp). Returns the parameters loaded; raises on unknown names and
         on a hash layer without its tid2eid table."""
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for raw, tensor in weights:
                 name = self.checkpoint_name(raw)
-                if name.startswith("mtp.") or ".mtp." in name or (name == "head.weight" and self.head is None):
+                if (name.startswith("mtp.") and self.mtp is None) or (name == "head.weight" and self.head is None):
                     continue
                 yield name, tensor
 

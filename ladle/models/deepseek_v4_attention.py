@@ -96,6 +96,12 @@ class Dsv4Attention(nn.Module):
         shapes = self.compressor.state_shapes() if self.compressor else []
         return shapes + (self.indexer.compressor.state_shapes() if self.indexer else [])
 
+    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
+                 attn: AttentionMetadata) -> None:
+        """A sliding layer's K=V vectors at these positions into its window's pool, and nothing else."""
+        cos, sin = rope(positions, x.dtype)
+        kv_cache[0].view(-1, self.head_dim)[attn.slot_mapping] = interleaved_rope(self.norm(self.wkv(x)), cos, sin)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
                 attn: AttentionMetadata, compressed: CompressedCaches | None) -> torch.Tensor:
         t = x.shape[0]

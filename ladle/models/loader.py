@@ -99,8 +99,8 @@ def load_config(model_dir: str) -> Any:
 def _enable_mtp(model: nn.Module, world_size: int) -> None:
     enable = getattr(model, "enable_mtp", None)
     if enable is None:
-        raise ValueError(f"speculative_config method 'mtp' runs Qwen3.5's MTP layer; {type(model).__name__} has "
-                         "none ladle can run; use method 'ngram'")
+        raise ValueError(f"speculative_config method 'mtp' runs the MTP layer of Qwen3.5 and DeepSeek-V4; "
+                         f"{type(model).__name__} has none ladle can run; use method 'ngram'")
     if world_size > 1:
         raise ValueError("speculative_config method 'mtp' cannot be used with tensor_parallel_size > 1 yet")
     enable()

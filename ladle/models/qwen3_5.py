@@ -193,6 +193,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             return None
         return self.mtp(embeds, hidden, cos, sin, kv_cache, attn)
 
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The MTP layer's (normed) output -> logits, through the model's head."""
+        return self.compute_logits(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(text_weights(weights, self.mtp is not None))
 

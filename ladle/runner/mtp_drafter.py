@@ -91,7 +91,7 @@ class MtpDrafter:
         return {rows[i][0]: tuple(d) for i, d in enumerate(drafts)}
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return self.model.mtp_logits(hidden).argmax(dim=-1).tolist()
 
     def _has_room(self, request_id: str, position: int) -> bool:
         """Whether the request's table reaches this position (the draft run writes the MTP cache there)."""
