@@ -11,8 +11,11 @@ layer run on the previous draft and output one position on. Those runs write the
 positions past the row's next token; the scheduler allocates them where the pool has room, and a row whose table
 ends earlier drafts fewer tokens.
 
-Drafts only change how many tokens a step may accept, never which: verification (ladle.runner.spec_verify)
-keeps the target's samples.
+A prefix-cache hit of h tokens brings the MTP cache of its positions too; the entry at h - 1 was written with the
+token that followed it in the request that computed it, which a request with another token at h does not share.
+That one entry may differ from a cold run's (vLLM's MTP has the same); every other one reads only tokens inside
+the hit. Drafts only change how many tokens a step may accept, never which: verification
+(ladle.runner.spec_verify) keeps the target's samples.
 """
 from __future__ import annotations
 
