@@ -13,8 +13,9 @@ ends earlier drafts fewer tokens.
 
 A prefix-cache hit of h tokens brings the MTP cache of its positions too; the entry at h - 1 was written with the
 token that followed it in the request that computed it, which a request with another token at h does not share.
-That one entry may differ from a cold run's (vLLM's MTP has the same); every other one reads only tokens inside
-the hit. Drafts only change how many tokens a step may accept, never which: verification
+That one entry may differ from a cold run's; every other one reads only tokens inside the hit. (vLLM drops the
+last block of a hit when a drafter runs, recomputing it; here a hit of a stateful model lands on a checkpoint, so
+that would cost a checkpoint interval, not a block.) Drafts only change how many tokens a step may accept, never which: verification
 (ladle.runner.spec_verify) keeps the target's samples.
 """
 from __future__ import annotations
