@@ -101,6 +101,27 @@ def _decode_run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str) -> di
             "outputs": [outputs[f"{tag}-{i}"] for i in range(len(prompts))]}
 
 
+def summarize(workload: str, batch: int, k: int, plain: list[dict], fast: list[dict]) -> dict:
+    """One case's row from its turns without drafts and with them (checked to make the same tokens), printed."""
+    assert all(p["outputs"] == f["outputs"] for p, f in zip(plain, fast)), "drafts changed the tokens"
+    drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
+    with_drafts = sum(r["rows_with_drafts"] for r in fast)
+    row = {"workload": workload, "batch": batch, "k": k,
+           "plain_tok_s": statistics.median(r["tok_s"] for r in plain),
+           "spec_tok_s": statistics.median(r["tok_s"] for r in fast),
+           "ratio": statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)),
+           "ratios": [f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)],
+           "drafted": drafted, "accepted": accepted,
+           "acceptance_rate": accepted / drafted if drafted else 0.0,
+           # Tokens a decode row with drafts produced per step: its accepted drafts and its own.
+           "mean_acceptance_length": 1 + accepted / with_drafts if with_drafts else 1.0,
+           "rows_with_drafts": with_drafts}
+    print(f"{workload} batch {batch} k {k}: {row['plain_tok_s']:.1f} -> {row['spec_tok_s']:.1f} decode tok/s "
+          f"({row['ratio']:.2f}x), accepted {accepted}/{drafted}, mean acceptance length "
+          f"{row['mean_acceptance_length']:.2f}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mistral-768-w16")
@@ -137,24 +158,7 @@ def main() -> None:
         for turn in range(args.repeats):
             for which, with_drafts in sides if turn % 2 == 0 else sides[::-1]:
                 runs[which].append(decode_run(llm, prompts, args.tokens, f"t{next(tags)}", with_drafts))
-        plain, fast = runs[0], runs[k]
-        assert all(p["outputs"] == f["outputs"] for p, f in zip(plain, fast)), "drafts changed the tokens"
-        drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
-        with_drafts = sum(r["rows_with_drafts"] for r in fast)
-        row = {"workload": workload, "batch": batch, "k": k,
-               "plain_tok_s": statistics.median(r["tok_s"] for r in plain),
-               "spec_tok_s": statistics.median(r["tok_s"] for r in fast),
-               "ratio": statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)),
-               "ratios": [f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)],
-               "drafted": drafted, "accepted": accepted,
-               "acceptance_rate": accepted / drafted if drafted else 0.0,
-               # Tokens a decode row with drafts produced per step: its accepted drafts and its own.
-               "mean_acceptance_length": 1 + accepted / with_drafts if with_drafts else 1.0,
-               "rows_with_drafts": with_drafts}
-        rows.append(row)
-        print(f"{workload} batch {batch} k {k}: {row['plain_tok_s']:.1f} -> {row['spec_tok_s']:.1f} decode tok/s "
-              f"({row['ratio']:.2f}x), accepted {accepted}/{drafted}, mean acceptance length "
-              f"{row['mean_acceptance_length']:.2f}", flush=True)
+        rows.append(summarize(workload, batch, k, runs[0], runs[k]))
     save(args.out, {"model": args.model, "facts": model_facts(model_dir), "tokens": args.tokens,
                     "repeats": args.repeats, "goal_k": goal_k, "rows": rows})
 

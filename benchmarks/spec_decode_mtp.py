@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import build_model, cache_dir, model_facts, save  # noqa: E402
-from spec_decode import _decode_run  # noqa: E402
+from spec_decode import _decode_run, summarize  # noqa: E402
 from ladle import LLM  # noqa: E402
 from ladle.testing.mtp_checkpoint import add_mtp_layer, make_predictable  # noqa: E402
 
@@ -102,23 +101,7 @@ def main() -> None:
             for with_drafts in (False, True) if turn % 2 == 0 else (True, False):
                 runs[with_drafts].append(decode_run(llm, batch_prompts, args.tokens, f"t{next(tags)}", with_drafts))
         llm.shutdown()
-        plain, fast = runs[False], runs[True]
-        assert all(p["outputs"] == f["outputs"] for p, f in zip(plain, fast)), "drafts changed the tokens"
-        drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
-        with_drafts = sum(r["rows_with_drafts"] for r in fast)
-        row = {"workload": workload, "batch": batch, "k": k,
-               "plain_tok_s": statistics.median(r["tok_s"] for r in plain),
-               "spec_tok_s": statistics.median(r["tok_s"] for r in fast),
-               "ratio": statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)),
-               "ratios": [f["tok_s"] / p["tok_s"] for p, f in zip(plain, fast)],
-               "drafted": drafted, "accepted": accepted,
-               "acceptance_rate": accepted / drafted if drafted else 0.0,
-               "mean_acceptance_length": 1 + accepted / with_drafts if with_drafts else 1.0,
-               "rows_with_drafts": with_drafts}
-        rows.append(row)
-        print(f"{workload} batch {batch} k {k}: {row['plain_tok_s']:.1f} -> {row['spec_tok_s']:.1f} decode tok/s "
-              f"({row['ratio']:.2f}x), accepted {accepted}/{drafted}, mean acceptance length "
-              f"{row['mean_acceptance_length']:.2f}", flush=True)
+        rows.append(summarize(workload, batch, k, runs[False], runs[True]))
     save(args.out, {"model": BASE + " + MTP layer", "facts": model_facts(predicted), "noise": args.noise,
                     "tokens": args.tokens, "repeats": args.repeats, "rows": rows})
 

@@ -11,7 +11,7 @@ import torch
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.testing.mtp_checkpoint import add_mtp_layer, make_predictable
-from test_spec_decode import drafting
+from test_spec_decode import drafting, finish_with_abort
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 _Q35 = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -151,21 +151,10 @@ def test_preemption_and_aborts_keep_the_tokens(predictable_dir, prompts, plain_g
                          speculative_config=mtp(3)))
     assert ladle_tokens(tight, prompts, GREEDY) == plain_greedy and tight.stats.num_preemptions > 0
     llm = drafting(LLM(predictable_dir, max_num_batched_tokens=64, max_model_len=1024, speculative_config=mtp(5)))
-    engine = llm.engine
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), None, p, GREEDY)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        if steps == 6:
-            engine.abort_request(["1"])
+    done = finish_with_abort(llm, prompts, GREEDY, 6, "1")
     assert "1" not in done and llm.stats.spec_decode_num_accepted_tokens > 0
     assert [done["0"], done["2"]] == [plain_greedy[0], plain_greedy[2]]
-    kv = engine.core.kv
+    kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks and not any(kv.pool.ref_counts)
 
 
@@ -225,6 +214,24 @@ def test_qwen3_5_moe_drafts_through_its_experts(tmp_path):
                        speculative_config=mtp(3)))
     assert ladle_tokens(llm, prompts, GREEDY) == [hf_greedy(hf, p, 40) for p in prompts]
     assert 0 < llm.stats.spec_decode_num_accepted_tokens < llm.stats.spec_decode_num_draft_tokens
+
+
+def test_the_layer_rests_where_drafts_have_settled_off(predictable_dir, prompts, plain_greedy):
+    """Where the step arms settled on plain steps the MTP layer runs not at all (no drafts, no cache writes);
+    only where they have not does it write its cache, drafting or not."""
+    llm = LLM(predictable_dir, max_num_batched_tokens=64, max_model_len=1024, speculative_config=mtp(3))
+    arms = llm.engine.core.scheduler.speculator.arms
+    arms.drafts_now = lambda rows: False
+    model, runs = llm.engine.core.model_executor.runner.model, []
+    forward = model.mtp_forward
+    model.mtp_forward = lambda *a, **kw: runs.append(kw.get("write_only", False)) or forward(*a, **kw)
+    for settled in (True, False):
+        arms.settled_plain = lambda rows: settled
+        runs.clear()
+        assert ladle_tokens(llm, prompts, GREEDY) == plain_greedy
+        # Settled: only the first step runs it, a prefill step that samples nothing (so asks nothing of the arms).
+        assert all(runs) and (len(runs) == 1 if settled else len(runs) >= 40)
+    assert llm.stats.spec_decode_num_draft_tokens == 0
 
 
 def test_what_cannot_run_is_refused_by_name(tiny_qwen3_dir, random_mtp_dir, tmp_path):

@@ -15,7 +15,7 @@ from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.testing.mtp_checkpoint import add_mtp_layer, make_predictable
 from test_mtp import mtp, record_drafts
-from test_spec_decode import drafting
+from test_spec_decode import drafting, finish_with_abort
 
 SW, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -151,16 +151,8 @@ def test_greedy_tokens_equal_the_plain_run_and_hf(k, predictable_dir, prompts):
                              speculative_config=mtp(k)))
         assert ladle_tokens(tight, six, GREEDY) == ladle_tokens(LLM(predictable_dir, max_model_len=1024), six, GREEDY)
         assert tight.stats.num_preemptions > 0
-        engine = llm.engine  # an abort mid-decode leaves the others as they were
-        for i, p in enumerate(prompts):
-            engine.add_request(f"a{i}", None, p, GREEDY)
-        done, steps = {}, 0
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-            steps += 1
-            if steps == 5:
-                engine.abort_request(["a1"])
-        assert "a1" not in done and [done["a0"], done["a2"]] == [want[0], want[2]]
+        done = finish_with_abort(llm, prompts, GREEDY, 5, "1")  # an abort leaves the others as they were
+        assert "1" not in done and [done["0"], done["2"]] == [want[0], want[2]]
         seeded = SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)
         assert ladle_tokens(llm, prompts, seeded) == ladle_tokens(LLM(predictable_dir, max_model_len=1024),
                                                                    prompts, seeded)

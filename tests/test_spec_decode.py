@@ -88,20 +88,27 @@ def test_preemption_and_prefix_hits_keep_the_tokens(tiny_qwen3_dir, copy_prompts
     assert roomy.stats.prefix_cache_hits > 0 and roomy.stats.spec_decode_num_accepted_tokens > 0
 
 
-def test_an_abort_mid_decode_leaves_the_others_as_they_were(tiny_qwen3_dir, copy_prompts, plain_greedy):
-    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5)))
+def finish_with_abort(llm: LLM, prompts: list[list[int]], params: SamplingParams, at_step: int,
+                      victim: str) -> dict[str, list[int]]:
+    """Run the prompts (request ids "0", "1", ...) to the end, aborting `victim` after at_step steps: the tokens
+    of each request that finished."""
     engine = llm.engine
-    for i, p in enumerate(copy_prompts):
-        engine.add_request(str(i), None, p, GREEDY)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, p, params)
     done: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         steps += 1
-        if steps == 8:
-            engine.abort_request(["2"])
+        if steps == at_step:
+            engine.abort_request([victim])
+    return done
+
+
+def test_an_abort_mid_decode_leaves_the_others_as_they_were(tiny_qwen3_dir, copy_prompts, plain_greedy):
+    llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(5)))
+    engine = llm.engine
+    done = finish_with_abort(llm, copy_prompts, GREEDY, 8, "2")
     assert "2" not in done and llm.stats.spec_decode_num_accepted_tokens > 0
     assert [done[str(i)] for i in (0, 1, 3, 4)] == [plain_greedy[i] for i in (0, 1, 3, 4)]
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks

@@ -65,7 +65,13 @@ def test_a_step_drafts_while_drafting_is_the_faster_arm_and_explores_the_other()
     for _ in range(4):
         arms.record(16, False, 16, 38.0)
     choices = [arms.drafts_now(16) for _ in range(2 * EXPLORE_EVERY)]
-    assert choices.count(True) == 2  # plain is faster: drafts only to explore
+    assert choices.index(True) == EXPLORE_EVERY - 1 and choices.count(True) == 1  # plain is faster: explore
+    assert not arms.settled_plain(16)
+    # Each exploration the drafts lose doubles the interval to the next: 64, 128, 256, then 512 at most.
+    choices += [arms.drafts_now(16) for _ in range(4000)]
+    explored = [i for i, c in enumerate(choices) if c]
+    assert [b - a for a, b in zip(explored, explored[1:])][:5] == [64, 128, 256, 512, 512]
+    assert arms.settled_plain(16) and not arms.settled_plain(1)
     assert arms.rates(16) == pytest.approx((16 / 38.0, 96 / 240.0)) and arms.rates(1) is None
     for _ in range(4):
         arms.record(1, True, 6, 25.0)

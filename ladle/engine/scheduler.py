@@ -146,9 +146,12 @@ class Scheduler:
     def _ask_for_drafts(self, out: SchedulerOutput) -> None:
         """mtp: the drafts each sampled row's MTP layer is to make (Speculator.proposals), with blocks for the
         n - 1 positions past its next token that making n writes, where the pool has them without preempting
-        anyone (a row without them drafts fewer)."""
+        anyone (a row without them drafts fewer); or every row's num_proposals -1 when the MTP layer rests."""
         assert self.speculator is not None
         wanted = self.speculator.proposals([s.request for s in out.scheduled if s.samples])
+        if wanted is None:
+            out.scheduled = [replace(s, num_proposals=-1) for s in out.scheduled]
+            return
         for i, s in enumerate(out.scheduled):
             n = wanted.get(s.request.request_id, 0)
             if n:

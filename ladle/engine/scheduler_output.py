@@ -19,7 +19,8 @@ class ScheduledRequest:
     bitmask: np.ndarray | None = None  # a constrained request's allowed next tokens (StructuredOutputManager)
     # A decode row's drafts (speculative decoding): its new tokens are its last token and these, each verified.
     draft_token_ids: tuple[int, ...] = ()
-    num_proposals: int = 0  # mtp: the drafts the model's MTP layer makes after this row's sampled token
+    # mtp: the drafts the model's MTP layer makes after this row's sampled token (-1: the layer rests this step)
+    num_proposals: int = 0
 
     @property
     def samples(self) -> bool:

@@ -56,6 +56,11 @@ class Speculator:
         off = self.config.disable_by_batch_size
         return (off is not None and rows > off) or not self.arms.drafts_now(rows)
 
+    def _settled_off(self, rows: int) -> bool:
+        """Steps of this many rows draft nothing for the foreseeable future."""
+        off = self.config.disable_by_batch_size
+        return (off is not None and rows > off) or self.arms.settled_plain(rows)
+
     def drafts(self, decodes: list[Request], budget: int) -> dict[str, tuple[int, ...]]:
         """Each drafting row's drafts, within the step's token budget (each decode row's own token first). The
         model's own drafts (mtp) were gated when the step before asked for them (proposals)."""
@@ -77,11 +82,15 @@ class Speculator:
                 left -= take
         return out
 
-    def proposals(self, sampled: list[Request]) -> dict[str, int]:
+    def proposals(self, sampled: list[Request]) -> dict[str, int] | None:
         """mtp: how many drafts the runner's MTP layer is to make after each of these rows' sampled token, for
-        the step after. Gated here, as making them costs the step that samples."""
-        if self.proposer is not None or not sampled or self._off(len(sampled)):
+        the step after. Gated here, as making them costs the step that samples. None: the MTP layer rests this
+        step, its cache not written either, as drafts have not paid at this batch size for a while (a request
+        that drafts later reads a cache with holes there: fewer drafts accepted, the same tokens)."""
+        if self.proposer is not None or not sampled:
             return {}
+        if self._off(len(sampled)):
+            return None if self._settled_off(len(sampled)) else {}
         out = {}
         for req in sampled:
             k = self._cap(req, self.config.num_speculative_tokens)

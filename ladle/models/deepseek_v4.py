@@ -72,14 +72,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         check_mtp_layers(self.config)
         self.mtp = Dsv4MultiTokenPredictor(self.config)
 
-    @property
-    def mtp_cache_layer(self) -> int:
-        return len(self.cache_specs(torch.float32)) - 1
-
-    @property
-    def mtp_group(self) -> int:
-        return layer_groups(self.cache_specs(torch.float32))[self.mtp_cache_layer]
-
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
                     write_only: bool = False) -> torch.Tensor | None:

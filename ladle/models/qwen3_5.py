@@ -169,16 +169,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         self.mtp = MultiTokenPredictor(config.hidden_size, layer,
                                        lambda: ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    @property
-    def mtp_cache_layer(self) -> int:
-        """The MTP layer's index among the cache layers (after the model's own)."""
-        return len(self.config.layer_types)
-
-    @property
-    def mtp_group(self) -> int:
-        """The MTP layer's KV cache group (the target's full-attention layers')."""
-        return layer_groups(self.cache_specs(torch.float32))[self.mtp_cache_layer]
-
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
                     write_only: bool = False) -> torch.Tensor | None:

@@ -9,7 +9,8 @@ kept one, which runs the whole layer as a one-token query. A sampled row the eng
 drafts pay) then drafts: draft 1 from the MTP output at its last kept position, each further one from the MTP
 layer run on the previous draft and output one position on. Those runs write the MTP cache up to n - 1
 positions past the row's next token; the scheduler allocates them where the pool has room, and a row whose table
-ends earlier drafts fewer tokens.
+ends earlier drafts fewer tokens. Where drafts have not paid at a batch size for a while, the engine rests the
+layer altogether (ChunkSpec.num_proposals -1), its cache included.
 
 A prefix-cache hit of h tokens brings the MTP cache of its positions too; the entry at h - 1 was written with the
 token that followed it in the request that computed it, which a request with another token at h does not share.
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ladle.attention.backends import AttentionGroup
+from ladle.kv_cache.specs import layer_groups
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.payload import ChunkSpec
 from ladle.runner.runner_requests import RunnerRequests
@@ -41,7 +43,9 @@ class MtpDrafter:
         self.device = device
         self.groups = groups
         self.requests = requests
-        self.layer, self.group = model.mtp_cache_layer, model.mtp_group
+        specs = model.cache_specs(torch.float32)  # the MTP layer's cache is the last layer of them
+        self.layer = len(specs) - 1
+        self.group = layer_groups(specs)[self.layer]
         self.buffers = StepBuffers(device)  # the draft runs' inputs, apart from the step's
 
     @torch.inference_mode()
@@ -50,6 +54,8 @@ class MtpDrafter:
                 kept: dict[str, tuple[int, int]]) -> dict[str, tuple[int, ...]]:
         """The next step's drafts of each sampled row of this step, which ran specs as batch into hidden. kept:
         each sampled row's (accepted drafts, sampled token); a row whose sample failed is not in it."""
+        if specs[0].num_proposals < 0:  # the engine rests the layer this step (Speculator.proposals)
+            return {}
         next_ids = np.zeros(len(batch.token_ids), dtype=np.int64)  # a rejected draft's position reads 0
         rows: list[tuple[str, int, int]] = []  # (request, index of its last kept position, drafts wanted)
         positions: list[int] = []  # of those positions

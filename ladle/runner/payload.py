@@ -50,7 +50,8 @@ class ChunkSpec(NamedTuple):
     # A decode row's drafts: its new tokens are its last known token and these; every one of its positions is
     # sampled, and the drafts that match the samples are accepted (ladle.runner.spec_verify).
     draft_token_ids: tuple[int, ...] = ()
-    # mtp: the drafts the model's MTP layer makes after the token this chunk samples, for the next step.
+    # mtp: the drafts the model's MTP layer makes after the token this chunk samples, for the next step; -1 (on
+    # every chunk of the step): the layer rests, its cache not written.
     num_proposals: int = 0
 
 
