@@ -10,7 +10,9 @@ the argmax, which is where drafts are rejected; --noise sets how often (about 1 
 model keeps build_checkpoint's weights and a random MTP layer: its drafts are almost never accepted.
 Prompts are random tokens; greedy, 128 tokens a row.
 
-Decode tok/s counts decode-only steps (benchmarks/spec_decode.py's decode_run). The plain side is the same engine
+Before the turns each engine decodes --warmup tokens a row with drafts, so its step arms (which explore the slower
+arm less often each time it loses) have settled as a long-running server's would. Decode tok/s counts
+decode-only steps (benchmarks/spec_decode.py's decode_run). The plain side is the same engine
 with its speculator and its runner's drafter detached, so it runs no MTP layer at all; plain and speculative turns
 alternate, the ratio is taken per turn, then the median. The tokens with drafts equal the plain run's (checked).
 
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=384, help="tokens a row decodes with drafts before the turns")
     ap.add_argument("--out", default="spec_decode_mtp")
     args = ap.parse_args()
     most = max(args.batches)
@@ -94,8 +97,10 @@ def main() -> None:
         if workload == "random, gate off":
             force_drafts(llm)
         batch_prompts = prompts[:batch]
-        for with_drafts in (False, True):  # warm: shapes, and the prefix cache for these prompts
-            decode_run(llm, batch_prompts, 8, f"w{next(tags)}", with_drafts)
+        # Warm: shapes, the prefix cache for these prompts, and the drafts side's step arms, which settle over a
+        # few hundred steps (ladle.engine.spec_arms) as a server's do early in its life.
+        decode_run(llm, batch_prompts, 8, f"w{next(tags)}", False)
+        decode_run(llm, batch_prompts, args.warmup, f"w{next(tags)}", True)
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for turn in range(args.repeats):
             for with_drafts in (False, True) if turn % 2 == 0 else (True, False):

@@ -144,9 +144,8 @@ class Scheduler:
         return drafts if self.kv.allocate(req.request_id, start + 1 + len(drafts), num_computed=start) else ()
 
     def _ask_for_drafts(self, out: SchedulerOutput) -> None:
-        """mtp: the drafts each sampled row's MTP layer is to make (Speculator.proposals), with blocks for the
-        n - 1 positions past its next token that making n writes, where the pool has them without preempting
-        anyone (a row without them drafts fewer); or every row's num_proposals -1 when the MTP layer rests."""
+        """mtp: the drafts each sampled row's MTP layer makes (Speculator.proposals; -1 on every row: it rests),
+        and blocks for the n - 1 positions past its next token that n write, where the pool has them unpreempted."""
         assert self.speculator is not None
         wanted = self.speculator.proposals([s.request for s in out.scheduled if s.samples])
         if wanted is None:
