@@ -11,7 +11,8 @@ def spec_decode_mtp(r: dict[str, Any]) -> list[str]:
     rows, m, f = r["rows"], r["machine"], r["facts"]
     fig, ax = plt.subplots(figsize=(8.5, 3.8))
     labels = [f"{x['workload'].replace(', ', chr(10))}\nbatch {x['batch']}, k {x['k']}" for x in rows]
-    colors = {"predicted": "tab:blue", "random": "tab:green", "random, gate off": "tab:red"}
+    colors = {"predicted": "tab:blue", "random": "tab:green", "random, gate off": "tab:red",
+              "dsv4 predicted": "tab:purple", "dsv4 random": "tab:olive"}
     ax.bar(range(len(rows)), [x["ratio"] for x in rows], color=[colors[x["workload"]] for x in rows])
     for i, x in enumerate(rows):
         ax.annotate(f"{x['ratio']:.2f}x\nlen {x['mean_acceptance_length']:.2f}", (i, x["ratio"]), ha="center",
@@ -21,9 +22,9 @@ def spec_decode_mtp(r: dict[str, Any]) -> list[str]:
     ax.set_ylabel("decode tok/s, MTP drafts / none")
     ax.set_ylim(0, max(x["ratio"] for x in rows) * 1.3)
     ax.legend(fontsize=8)
-    ax.set_title("Speculative decoding, the model's own MTP layer (Qwen3.5)")
+    ax.set_title("Speculative decoding, the model's own MTP layer (Qwen3.5; DeepSeek-V4 at batch 1)")
     save_plot(fig, "spec_decode_mtp")
-    lines = ["## Speculative decoding: the model's own MTP layer (Qwen3.5)", "",
+    lines = ["## Speculative decoding: the model's own MTP layer (Qwen3.5, DeepSeek-V4)", "",
              f"Reproduce: `{r['command']}`", "",
              f"Model `{r['model']}`: Qwen3.5, hidden {f['hidden_size']}, {f['num_hidden_layers']} layers (6 Gated "
              "DeltaNet, 2 gated full attention), 32K vocabulary, untied head, fp32, with one MTP layer "
@@ -32,11 +33,15 @@ def spec_decode_mtp(r: dict[str, Any]) -> list[str]:
              f"permutation), every layer's output projections are scaled by {r['noise']}, and the MTP layer reads "
              "its token input almost alone; the model follows the successor map except where its layers' small "
              "contribution tips the argmax, which is where drafts are rejected. The random model keeps random "
-             "weights and a random MTP layer, whose drafts are never accepted. Random 256-token prompts, greedy, "
+             "weights and a random MTP layer, whose drafts are never accepted. The dsv4 rows are the same two "
+             "constructions of `dsv4-512` (DeepSeek-V4: CSA, HCA and sliding layers, 16 experts of which 4 active, "
+             f"4 hyper-connection streams; noise {r.get('dsv4_noise')}), at batch 1. Random 256-token prompts, "
+             "greedy, "
              f"{r['tokens']} tokens a row. Decode tok/s of decode-only steps; the plain side is the same engine with "
              "its speculator and its runner's MTP drafter detached (no MTP layer runs), alternating turns, ratio "
              f"per turn then the median of {r['repeats']}. Tokens with drafts equal the plain run's in every turn "
-             f"(checked). Machine: {m['cpus']} CPUs, torch {m['torch']}, {m['threads']} thread(s).", "",
+             "(checked); each engine first decodes 384 tokens a row with drafts, so its step arms have settled. "
+             f"Machine: {m['cpus']} CPUs, torch {m['torch']}, {m['threads']} thread(s).", "",
              "![spec_decode_mtp](benchmarks/plots/spec_decode_mtp.png)", ""]
     lines += table(["model", "batch", "k", "plain tok/s", "with drafts tok/s", "ratio", "per turn",
                     "accepted / drafted", "mean acceptance length"],

@@ -7,7 +7,9 @@ rebuilt so that drafts are worth verifying: the head maps each token's embedding
 permutation), every layer's output projections are scaled down to `--noise`, and the MTP layer reads its token
 input almost alone. The target then follows the successor map except where its layers' small contribution tips
 the argmax, which is where drafts are rejected; --noise sets how often (about 1 in 10 at 0.0027). The random
-model keeps build_checkpoint's weights and a random MTP layer: its drafts are almost never accepted.
+model keeps build_checkpoint's weights and a random MTP layer: its drafts are almost never accepted. The same two
+constructions of `dsv4-512` (DeepSeek-V4: CSA, HCA and sliding layers, MoE, 4 hyper-connection streams) time its
+MTP layer at batch 1 (its noise --dsv4-noise).
 Prompts are random tokens; greedy, 128 tokens a row.
 
 Before the turns each engine decodes --warmup tokens a row with drafts, so its step arms (which explore the slower
@@ -36,13 +38,13 @@ from ladle.testing.mtp_checkpoint import add_mtp_layer, make_predictable  # noqa
 BASE = "qwen3.5-512"
 
 
-def mtp_model(noise: float | None) -> str:
-    """BASE with an MTP layer: predictable at this noise, or random (None); built once into the cache."""
-    name = f"{BASE}-mtp-" + ("random" if noise is None else f"p{noise}")
+def mtp_model(noise: float | None, base: str = BASE) -> str:
+    """base with an MTP layer: predictable at this noise, or random (None); built once into the cache."""
+    name = f"{base}-mtp-" + ("random" if noise is None else f"p{noise}")
     out = cache_dir() / name
     if not (out / "done").exists():
         shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(build_model(BASE), out)
+        shutil.copytree(build_model(base), out)
         (out / "done").unlink()
         add_mtp_layer(str(out), seed=1)
         if noise is not None:
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--k", nargs="+", type=int, default=[1, 3])
     ap.add_argument("--noise", type=float, default=0.0027)
+    ap.add_argument("--dsv4-noise", type=float, default=0.006, help="the predicted dsv4-512's noise")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -85,15 +88,17 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(args.prompt)] for _ in range(most)]
     kw = dict(max_num_seqs=most, max_model_len=2048, max_num_batched_tokens=most * 512)
-    predicted, rand = mtp_model(args.noise), mtp_model(None)
+    models = {"predicted": mtp_model(args.noise), "random": mtp_model(None),
+              "dsv4 predicted": mtp_model(args.dsv4_noise, "dsv4-512"), "dsv4 random": mtp_model(None, "dsv4-512")}
+    models["random, gate off"] = models["random"]
     cases = [("predicted", b, k) for b in args.batches for k in args.k]
     cases += [("random", b, args.k[-1]) for b in args.batches]
     cases += [("random, gate off", b, args.k[-1]) for b in args.batches]
+    cases += [("dsv4 predicted", 1, k) for k in args.k] + [("dsv4 random", 1, args.k[-1])]
     tags = iter(range(10**9))
     rows = []
     for workload, batch, k in cases:
-        llm = LLM(predicted if workload == "predicted" else rand,
-                  speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+        llm = LLM(models[workload], speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
         if workload == "random, gate off":
             force_drafts(llm)
         batch_prompts = prompts[:batch]
@@ -107,8 +112,8 @@ def main() -> None:
                 runs[with_drafts].append(decode_run(llm, batch_prompts, args.tokens, f"t{next(tags)}", with_drafts))
         llm.shutdown()
         rows.append(summarize(workload, batch, k, runs[False], runs[True]))
-    save(args.out, {"model": BASE + " + MTP layer", "facts": model_facts(predicted), "noise": args.noise,
-                    "tokens": args.tokens, "repeats": args.repeats, "rows": rows})
+    save(args.out, {"model": BASE + " + MTP layer", "facts": model_facts(models["predicted"]), "noise": args.noise,
+                    "dsv4_noise": args.dsv4_noise, "tokens": args.tokens, "repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":
