@@ -9,8 +9,9 @@ from report_common import plt, save_plot, table
 
 def spec_decode_mtp(r: dict[str, Any]) -> list[str]:
     rows, m, f = r["rows"], r["machine"], r["facts"]
-    fig, ax = plt.subplots(figsize=(8.5, 3.8))
-    labels = [f"{x['workload'].replace(', ', chr(10))}\nbatch {x['batch']}, k {x['k']}" for x in rows]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    labels = [f"{x['workload'].replace(', ', chr(10)).replace('dsv4 ', 'dsv4' + chr(10))}\nbatch {x['batch']}, k {x['k']}"
+              for x in rows]
     colors = {"predicted": "tab:blue", "random": "tab:green", "random, gate off": "tab:red",
               "dsv4 predicted": "tab:purple", "dsv4 random": "tab:olive"}
     ax.bar(range(len(rows)), [x["ratio"] for x in rows], color=[colors[x["workload"]] for x in rows])
