@@ -10,8 +10,8 @@ from report_common import plt, save_plot, table
 def spec_decode_mtp(r: dict[str, Any]) -> list[str]:
     rows, m, f = r["rows"], r["machine"], r["facts"]
     fig, ax = plt.subplots(figsize=(11, 4.2))
-    labels = [f"{x['workload'].replace(', ', chr(10)).replace('dsv4 ', 'dsv4' + chr(10))}\nbatch {x['batch']}, k {x['k']}"
-              for x in rows]
+    names = [x["workload"].replace(", ", "\n").replace("dsv4 ", "dsv4\n") for x in rows]
+    labels = [f"{name}\nbatch {x['batch']}, k {x['k']}" for name, x in zip(names, rows)]
     colors = {"predicted": "tab:blue", "random": "tab:green", "random, gate off": "tab:red",
               "dsv4 predicted": "tab:purple", "dsv4 random": "tab:olive"}
     ax.bar(range(len(rows)), [x["ratio"] for x in rows], color=[colors[x["workload"]] for x in rows])

@@ -144,12 +144,12 @@ class Scheduler:
         return drafts if self.kv.allocate(req.request_id, start + 1 + len(drafts), num_computed=start) else ()
 
     def _ask_for_drafts(self, out: SchedulerOutput) -> None:
-        """mtp: the drafts each sampled row's MTP layer makes (Speculator.proposals; -1 on every row: it rests),
+        """mtp: the drafts each sampled row's MTP layer makes (Speculator.proposals; None: it rests this step),
         and blocks for the n - 1 positions past its next token that n write, where the pool has them unpreempted."""
         assert self.speculator is not None
         wanted = self.speculator.proposals([s.request for s in out.scheduled if s.samples])
         if wanted is None:
-            out.scheduled = [replace(s, num_proposals=-1) for s in out.scheduled]
+            out.mtp_rests = True
             return
         for i, s in enumerate(out.scheduled):
             n = wanted.get(s.request.request_id, 0)

@@ -19,8 +19,7 @@ class ScheduledRequest:
     bitmask: np.ndarray | None = None  # a constrained request's allowed next tokens (StructuredOutputManager)
     # A decode row's drafts (speculative decoding): its new tokens are its last token and these, each verified.
     draft_token_ids: tuple[int, ...] = ()
-    # mtp: the drafts the model's MTP layer makes after this row's sampled token (-1: the layer rests this step)
-    num_proposals: int = 0
+    num_proposals: int = 0  # mtp: the drafts the model's MTP layer makes after this row's sampled token
 
     @property
     def samples(self) -> bool:
@@ -35,6 +34,7 @@ class SchedulerOutput:
     prefix_cache_queries: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     prefix_cache_hit_requests: int = 0  # admitted requests with a hit
+    mtp_rests: bool = False  # the model's MTP layer neither drafts nor writes its cache this step
 
     @property
     def num_tokens(self) -> int:

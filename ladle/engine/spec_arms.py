@@ -45,7 +45,10 @@ class StepArms:
         self._buckets: dict[int, _Bucket] = {}  # batch-size bucket -> its two arms
 
     def _bucket(self, rows: int) -> _Bucket:
-        return self._buckets.setdefault(rows.bit_length(), _Bucket())
+        b = self._buckets.get(rows.bit_length())
+        if b is None:
+            b = self._buckets[rows.bit_length()] = _Bucket()
+        return b
 
     def drafts_now(self, rows: int) -> bool:
         """Whether a decode step of `rows` decode rows should carry drafts."""

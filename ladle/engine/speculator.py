@@ -76,7 +76,10 @@ class Speculator:
             if k <= 0:
                 continue
             drafts = self._propose(req, k)
-            take = len(drafts) if mtp else self.gate.allows(req.request_id, len(drafts), len(decodes)) if drafts else 0
+            if mtp or not drafts:  # the model's own were gated when asked for
+                take = len(drafts)
+            else:
+                take = self.gate.allows(req.request_id, len(drafts), len(decodes))
             if take:
                 out[req.request_id] = drafts[:take]
                 left -= take

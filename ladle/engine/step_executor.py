@@ -36,8 +36,9 @@ _OOM = (torch.OutOfMemoryError, MemoryError)
 
 def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
     """The step as the runner sees it: request ids and positions, no live objects."""
+    rest = sched.mtp_rests
     return [ChunkSpec(s.request.request_id, s.start_pos, s.num_new_tokens, s.samples, s.checkpoint, s.bitmask,
-                      s.draft_token_ids, s.num_proposals) for s in sched.scheduled]
+                      s.draft_token_ids, -1 if rest else s.num_proposals) for s in sched.scheduled]
 
 
 @dataclass(frozen=True)

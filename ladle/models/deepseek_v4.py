@@ -187,9 +187,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); multi-token
-        prediction layer (`mtp.*`) is read only when it drafts (enable_mtp). Returns the parameters loaded; raises on unknown names and
-        on a hash layer without its tid2eid table."""
+        """Checkpoint tensors by DeepSeek's names (with or without HF's `model.` prefix); the multi-token
+        prediction layer (`mtp.*`) is read only when it drafts (enable_mtp). Returns the parameters loaded; raises
+        on unknown names and on a hash layer without its tid2eid table."""
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for raw, tensor in weights:
                 name = self.checkpoint_name(raw)

@@ -99,8 +99,14 @@ class Dsv4Attention(nn.Module):
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
                  attn: AttentionMetadata) -> None:
         """A sliding layer's K=V vectors at these positions into its window's pool, and nothing else."""
-        cos, sin = rope(positions, x.dtype)
-        kv_cache[0].view(-1, self.head_dim)[attn.slot_mapping] = interleaved_rope(self.norm(self.wkv(x)), cos, sin)
+        self._write_window(x, *rope(positions, x.dtype), kv_cache, attn)
+
+    def _write_window(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+        """x's K=V vectors [t, D] (key and value alike) into the window's pool; returns the pool as rows."""
+        pool = kv_cache[0].view(-1, self.head_dim)
+        pool[attn.slot_mapping] = interleaved_rope(self.norm(self.wkv(x)), cos, sin)
+        return pool
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
                 attn: AttentionMetadata, compressed: CompressedCaches | None) -> torch.Tensor:
@@ -109,9 +115,7 @@ class Dsv4Attention(nn.Module):
         q_residual = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
         q = interleaved_rope(q, cos, sin)
-        kv = interleaved_rope(self.norm(self.wkv(x)), cos, sin)  # [t, D]: key and value alike
-        pool = kv_cache[0].view(-1, self.head_dim)
-        pool[attn.slot_mapping] = kv
+        pool = self._write_window(x, cos, sin, kv_cache, attn)
         entry_pool = pool
         entry_rows: list[torch.Tensor] = []  # per request, the pool rows of its entries
         picks: list[torch.Tensor | None] = []

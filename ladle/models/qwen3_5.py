@@ -193,9 +193,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def lay_out_for_cpu(self) -> None:
         """The MTP layer's linears as the model's own (ladle.models.cpu_linear)."""
         super().lay_out_for_cpu()
-        if self.mtp is not None and self.cpu_kernels is not None and self.cpu_kernels[0] == "ladle-c":
+        kind = None if self.mtp is None or self.cpu_kernels is None else self.cpu_kernels[0]
+        if kind == "ladle-c":
             use_cpu_linears(self.mtp, load_cpu_kernels())
-        elif self.mtp is not None and self.cpu_kernels is not None and self.cpu_kernels[0] == "onednn":
+        elif kind == "onednn":
             pack_linears(self.mtp)
 
     def build_model(self, config: Any) -> nn.Module:

@@ -178,14 +178,13 @@ class ModelRunner:
         if self.drafter is None:
             return result
         kept = {rid: (len(t.accepted), t.token_id) for rid, t in result.items() if t.token_id != FAILED}
-        drafts = self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept)
-        return {rid: replace(t, drafts=drafts.get(rid, ())) for rid, t in result.items()}
+        for rid, d in self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept).items():
+            result[rid] = replace(result[rid], drafts=d)
+        return result
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampled: list[ChunkSpec]) -> SamplerOutput:
-        if not inputs.sampled_rows:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler(logits, self._sampling_metadata(sampled))
+        logits = self._head(hidden, inputs)
+        return SamplerOutput([], []) if logits is None else self.sampler(logits, self._sampling_metadata(sampled))
 
     @torch.inference_mode()
     def forward_shard(self, specs: list[ChunkSpec]) -> None:
@@ -265,10 +264,11 @@ class ModelRunner:
         """Logits of the sampled rows (None if no row samples); input_ids overrides the step's tokens."""
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step, block_tables, input_ids)
-        hidden, inputs = self._hidden(step, block_tables, input_ids)
-        if not inputs.sampled_rows:
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self._head(*self._hidden(step, block_tables, input_ids))
+
+    def _head(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the step's sampled rows (None if no row samples)."""
+        return self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled_rows else None
 
     def _hidden(self, step: StepBatch, block_tables: tuple[torch.Tensor, ...] | None,
                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:

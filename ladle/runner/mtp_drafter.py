@@ -1,23 +1,27 @@
 """Drafts from the model's own multi-token-prediction layer (speculative_config method `mtp`), made in the step
 whose tokens they follow, from that step's hidden states.
 
-Every step writes the MTP layer's K/V at all of its positions, prefill chunks included, so its KV cache holds
-every position whatever the chunking (a chunk that samples nothing reads the prompt's next token; a decode row's
-position after its last accepted draft reads the token sampled there; positions of rejected drafts are written
-over by the next step). Only K/V: no position of a step reads the MTP layer's output but a drafting row's last
-kept one, which runs the whole layer as a one-token query. A sampled row the engine asks n drafts of (ChunkSpec.num_proposals, gated by what
-drafts pay) then drafts: draft 1 from the MTP output at its last kept position, each further one from the MTP
-layer run on the previous draft and output one position on. Those runs write the MTP cache up to n - 1
-positions past the row's next token; the scheduler allocates them where the pool has room, and a row whose table
-ends earlier drafts fewer tokens. Where drafts have not paid at a batch size for a while, the engine rests the
-layer altogether (ChunkSpec.num_proposals -1), its cache included.
+Every step writes the MTP layer's K/V at all of its positions, prefill chunks included, so its KV cache holds every
+position whatever the chunking (a chunk that samples nothing reads the prompt's next token; a decode row's position
+after its last accepted draft reads the token sampled there; positions of rejected drafts are written over by the
+next step). Only K/V: no position of a step reads the MTP layer's output but a drafting row's last kept one, which
+runs the whole layer as a one-token query. A sampled row the engine asks n drafts of (ChunkSpec.num_proposals, gated
+by what drafts pay) then drafts: draft 1 from the MTP output at its last kept position, each further one from the
+MTP layer run on the previous draft and output one position on. Those runs write the MTP cache up to n - 1 positions
+past the row's next token; the scheduler allocates them where the pool has room, and a row whose table ends earlier
+drafts fewer tokens. Where drafts have not paid at a batch size for a while, the engine rests the layer altogether
+(ChunkSpec.num_proposals -1), its cache included.
 
 A prefix-cache hit of h tokens brings the MTP cache of its positions too; the entry at h - 1 was written with the
 token that followed it in the request that computed it, which a request with another token at h does not share.
 That one entry may differ from a cold run's; every other one reads only tokens inside the hit. (vLLM drops the
 last block of a hit when a drafter runs, recomputing it; here a hit of a stateful model lands on a checkpoint, so
-that would cost a checkpoint interval, not a block.) Drafts only change how many tokens a step may accept, never which: verification
-(ladle.runner.spec_verify) keeps the target's samples.
+that would cost a checkpoint interval, not a block.) Drafts only change how many tokens a step may accept, never
+which: verification (ladle.runner.spec_verify) keeps the target's samples.
+
+Not in the activation profile, and bounded by it: the cache writes hold the step's hidden states and one of the
+MTP layer's inputs and projections at a time, less than one of the model's own layers did in that forward; the
+draft runs are one token a sampled row.
 """
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Qwen3.5 and DeepSeek-V4 checkpoints with an MTP layer, for tests and benchmarks (HF neither saves nor runs
 one).
 
-add_mtp_layer gives a checkpoint from ladle.demo.build_checkpoint a random `mtp.*` layer, its decoder layer as
-HF saves a full-attention layer of that model (DeepSeek-V4: `mtp.0.*`, a sliding-window, score-routed
-block). make_predictable then rebuilds the weights so that drafts are
-worth verifying: the head maps token t's embedding to a fixed successor pi(t) (a random permutation), every
-layer's output projections are scaled down to `noise`, and the MTP layer reads the token half of its input
-almost alone. The target then mostly follows pi, departing from it where the context's small contribution
-tips the argmax; the MTP layer proposes pi of the last token, so drafts are accepted as often as the target
-follows pi and rejected where it departs.
+add_mtp_layer gives a checkpoint from ladle.demo.build_checkpoint a random `mtp.*` layer, its decoder layer as HF
+saves a full-attention layer of that model (DeepSeek-V4: `mtp.0.*`, a sliding-window, score-routed block).
+make_predictable then rebuilds the weights so that drafts are worth verifying: the head maps token t's embedding to
+a fixed successor pi(t) (a random permutation), every layer's output projections are scaled down to `noise`, and the
+MTP layer reads the token half of its input almost alone. The target then mostly follows pi, departing from it where
+the context's small contribution tips the argmax; the MTP layer proposes pi of the last token, so drafts are
+accepted as often as the target follows pi and rejected where it departs.
 """
 from __future__ import annotations
 
