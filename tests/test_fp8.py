@@ -209,6 +209,27 @@ def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("magnitude", [1e3, 1e30])
+def test_the_c_kernel_keeps_large_activations_finite_and_exact(magnitude):
+    """The kernel scales x by 2^e to skip a per-weight multiply; activations too large for 2^120 take a smaller e
+    and still give F.linear's result, batch 1 and batched."""
+    from ladle.kernels.cpu_kernels import load
+
+    torch.manual_seed(0)
+    values, scales = quantize_block_fp8(torch.randn(256, 512) * 0.05, (128, 128))
+    layer = Fp8Linear(512, 256, bias=False, block=(128, 128))
+    layer.weight.data.copy_(values)
+    layer.weight_scale_inv.data.copy_(scales)
+    want_weight = layer.dequantized(0, 256, torch.float32)
+    layer.use_cpu_kernels(load(), native_bf16=True)
+    for rows in (1, 3):
+        x = torch.randn(rows, 512) * magnitude
+        want = torch.nn.functional.linear(x, want_weight)
+        got = layer(x)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * magnitude)
+
+
 @pytest.mark.slow
 def test_fp8_at_tensor_parallel_size_2_equals_hf(tmp_path):
     """Each rank loads its slice of every FP8 weight and the matching rows or columns of its scale grid: q/k/v
