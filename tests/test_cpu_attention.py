@@ -124,7 +124,8 @@ def test_long_decodes_split_over_threads_match_the_reference(backend: CpuAttenti
 
 
 def test_a_decode_gives_the_same_bits_in_any_batch(backend: CpuAttention) -> None:
-    """The split of a request's context depends on it alone: beside other requests, or alone, the same bits."""
+    """The split of a request's context depends on it alone: beside other requests, or alone (where a short one
+    is shared out by kv head), the same bits."""
     step = make_step([1, 1, 1], [3000, 700, 2100], 8, 4, 64, torch.float32, None, seed=6)
     together = backend(*step, 0.125)
     q, k, v, k_cache, v_cache, attn = step
@@ -134,3 +135,22 @@ def test_a_decode_gives_the_same_bits_in_any_batch(backend: CpuAttention) -> Non
             context_lens=attn.context_lens[i:i + 1], block_tables=attn.block_tables[i:i + 1], query_lens=(1,),
             context_lens_host=attn.context_lens_host[i:i + 1], block_size=BLOCK, sliding_window=None)
         assert torch.equal(backend(q[i:i + 1], k[i:i + 1], v[i:i + 1], k_cache, v_cache, alone, 0.125), together[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kv_write_equals_index_copy_and_refuses_a_slot_outside_the_pool(backend: CpuAttention,
+                                                                              dtype: torch.dtype) -> None:
+    """The step's K/V rows, as the qkv projection's strided views, land where write_kv puts them; a slot past
+    the pool raises before anything is written."""
+    k_cache, v_cache = torch.zeros(6, BLOCK, 2, 8, dtype=dtype), torch.zeros(6, BLOCK, 2, 8, dtype=dtype)
+    qkv = torch.randn(3, 64).to(dtype)
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    slots = torch.tensor([5, 17, 6 * BLOCK - 1])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    torch_ref.write_kv(k, v, want_k, want_v, slots)
+    backend._write(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match="outside the pool"):
+        backend._write(k, v, k_cache, v_cache, torch.tensor([1, 6 * BLOCK, 2]))
+    assert torch.equal(k_cache, before)

@@ -49,7 +49,24 @@ class CpuAttention(BackendBase):
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
         if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
             return torch_ref.paged_attention(q, k, v, k_cache, v_cache, attn, scale)
-        return torch_ref.paged_attention(q.contiguous(), k, v, k_cache, v_cache, attn, scale, decode=self._decode)
+        return torch_ref.paged_attention(q.contiguous(), k, v, k_cache, v_cache, attn, scale, decode=self._decode,
+                                         write=self._write)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        """torch_ref.write_kv's copy in one C call where k and v are rows of the caches' dtype."""
+        _, _, kvh, hd = k_cache.shape
+        ks, vs = k.stride(), v.stride()
+        if (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or ks[1:] != (hd, 1) or vs[1:] != (hd, 1)
+                or slot_mapping.dtype != torch.int64 or not (slot_mapping.is_contiguous() and k_cache.is_contiguous()
+                                                               and v_cache.is_contiguous())):
+            return torch_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        slots = k_cache.shape[0] * k_cache.shape[1]
+        failed = self.kernels.paged_write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                             slot_mapping.data_ptr(), k.shape[0], ks[0], vs[0], kvh * hd,
+                                             k.element_size(), slots)
+        if failed:
+            raise IndexError(f"a KV slot of {slot_mapping.tolist()} is outside the pool's {slots} slots")
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                 cu: list[int], decodes: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:

@@ -204,6 +204,7 @@ def _attend_decodes_window(
     out.index_copy_(0, rows, o[:, :, 0, :])
 
 
+WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[tuple[int, int]],
                      float, torch.Tensor], None]
 
@@ -219,14 +220,16 @@ def paged_attention(
     context_tile: int = CONTEXT_TILE,
     decode_group_tokens: int = DECODE_GROUP_TOKENS,
     decode: DecodeFn | None = None,
+    write: WriteFn = write_kv,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, kvh, D] of this step's tokens -> attention output [T, H, D] in q's dtype.
 
     The new k/v are written to the cache first, so each request reads its own chunk back with its history.
     decode, when given, computes the one-row requests instead of the torch code below: called as
-    decode(q, k_cache, v_cache, attn, cu, [(request index, context length)], scale, out).
+    decode(q, k_cache, v_cache, attn, cu, [(request index, context length)], scale, out). write stores the new
+    k/v, called as write_kv is.
     """
-    write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+    write(k, v, k_cache, v_cache, attn.slot_mapping)
     out = torch.empty_like(q)
     window = attn.sliding_window
     cu = [0]

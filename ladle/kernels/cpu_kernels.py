@@ -90,6 +90,8 @@ class CpuKernels:
             "paged_decode_attention",
             [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, f32, _i64, flag, flag],
             status)
+        self.paged_write_kv = self._typed("paged_write_kv", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                                             _i64], status)
         self.skinny_linear = self._typed("skinny_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag],
                                          status)
         self.fp8_linear = self._typed("fp8_linear", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, flag,

@@ -22,6 +22,7 @@ from torch import nn
 
 TILE_ELEMENTS = 1 << 21  # weights widened at once (a whole number of block rows): 8 MiB of fp32 workspace
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class WidenBuffer:
@@ -93,13 +94,14 @@ def fp8_kernel_linear(kernels: Any, x: torch.Tensor, weight: torch.Tensor, scale
     """x [..., in] @ weight^T (+ bias) by ladle's fp8_linear C kernel, in x's dtype (fp32 or bf16)."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    x2 = x.reshape(rows, in_features).contiguous()
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(rows, in_features).contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    if scales.dtype != torch.float32 or not scales.is_contiguous():
+        scales = scales.float().contiguous()  # E8M0 widened: the grid is 1/16384th of the weight
     bias = None if bias is None else bias.to(x.dtype).contiguous()
-    scales = scales.float().contiguous()  # E8M0 widened: the grid is 1/16384th of the weight
     failed = kernels.fp8_linear(x2.data_ptr(), weight.data_ptr(), scales.data_ptr(),
-                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features,
-                                in_features, block[0], block[1], int(x.dtype == torch.bfloat16),
+                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                                out_features, in_features, block[0], block[1], x.dtype == torch.bfloat16,
                                 torch.get_num_threads())
     if failed:
         raise MemoryError(f"fp8_linear could not allocate {rows} x {in_features} floats")
@@ -191,9 +193,9 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        limit = {torch.float32: KERNEL_MAX_ROWS, torch.bfloat16: self.bf16_max_rows}.get(x.dtype, 0)
-        if self.kernels is not None and 0 < rows <= min(limit, KERNEL_MAX_ROWS):
+        if self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
             return fp8_kernel_linear(self.kernels, x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        limit = {torch.float32: KERNEL_MAX_ROWS, torch.bfloat16: self.bf16_max_rows}.get(x.dtype, 0)
         if self.kernels is not None and 0 < rows <= limit:
             return self._widened_tiles(x)
         if x.is_cuda:  # widened inside a Triton GEMM's inner loop

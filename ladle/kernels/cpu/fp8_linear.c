@@ -119,20 +119,35 @@ static void tile_scalar(float out[8], const float *xs, int64_t k, const uint8_t 
 int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void *bias, void *y, int64_t m,
                int64_t n, int64_t k, int64_t block_n, int64_t block_k, int is_bf16, int num_threads) {
     const int64_t m4 = (m + 3) / 4 * 4, grid_k = (k + block_k - 1) / block_k;
-    float *xs = calloc((size_t)(m4 * k), sizeof(float));
+    const int vector = LADLE_AVX2 && k % 8 == 0 && block_k % 8 == 0;
+    float *xs = malloc(sizeof(float) * (size_t)(m4 * k));
     if (xs == NULL) return -1;
-    float largest = 0.f;
+    if (!(vector && m == 1)) memset(xs + m * k, 0, sizeof(float) * (size_t)((m4 - m) * k)); /* tile rows past m */
+    /* Separate loops per dtype, and the largest |x| as integer bits, so the compiler vectorizes them: this is a
+     * decode call's fixed cost. A NaN's bits exceed infinity's and keep e at 120 below. */
+    if (is_bf16)
+        for (int64_t i = 0; i < m * k; i++) {
+            const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+            memcpy(xs + i, &u, sizeof u);
+        }
+    else memcpy(xs, x, sizeof(float) * (size_t)(m * k));
+    uint32_t largest = 0;
     for (int64_t i = 0; i < m * k; i++) {
-        xs[i] = get(x, i, is_bf16);
-        largest = fabsf(xs[i]) > largest ? fabsf(xs[i]) : largest;
+        uint32_t u;
+        memcpy(&u, xs + i, sizeof u);
+        u &= 0x7fffffffu;
+        largest = u > largest ? u : largest;
     }
     /* x * 2^e must stay below 2^128: e = 120 for |x| < 2^7, less for larger x (a non-finite x keeps 120) */
     int top = 0;
-    if (isfinite(largest) && largest > 0.f) frexpf(largest, &top);
+    if (largest < 0x7f800000u && largest > 0) {
+        float f;
+        memcpy(&f, &largest, sizeof f);
+        frexpf(f, &top);
+    }
     const int e = top > 7 ? 127 - top : 120;
     const float up = ldexpf(1.f, e), unscale = ldexpf(1.f, 120 - e);
     for (int64_t i = 0; i < m * k; i++) xs[i] *= up;
-    const int vector = LADLE_AVX2 && k % 8 == 0 && block_k % 8 == 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < (n + 1) / 2; r++) {
         const int64_t r0 = 2 * r, r1 = r0 + 1 < n ? r0 + 1 : r0;
