@@ -57,9 +57,9 @@ class CpuAttention(BackendBase):
         """torch_ref.write_kv's copy in one C call where k and v are rows of the caches' dtype."""
         _, _, kvh, hd = k_cache.shape
         ks, vs = k.stride(), v.stride()
-        if (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or ks[1:] != (hd, 1) or vs[1:] != (hd, 1)
-                or slot_mapping.dtype != torch.int64 or not (slot_mapping.is_contiguous() and k_cache.is_contiguous()
-                                                               and v_cache.is_contiguous())):
+        rows_fit = k.dtype == v.dtype == k_cache.dtype and ks[1:] == vs[1:] == (hd, 1)
+        flat = slot_mapping.dtype == torch.int64 and all(t.is_contiguous() for t in (slot_mapping, k_cache, v_cache))
+        if not (rows_fit and flat):
             return torch_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
         slots = k_cache.shape[0] * k_cache.shape[1]
         failed = self.kernels.paged_write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

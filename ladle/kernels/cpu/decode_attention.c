@@ -191,14 +191,14 @@ int paged_decode_attention(const void *q, void *out, const void *k_pool, const v
      * reads each token's K and V rows whole (measured at 32K: per-group items read them in pieces, 30% slower).
      * Each head computes the same either way. */
     const int64_t per_item = items < 2 * num_threads ? 1 : num_kv_heads, groups = num_kv_heads / per_item;
-    /* A context past one split is taken to be out of cache: a decode step reads every layer's KV, so beyond a
-     * thousand tokens or so of a model's layers the rows come from memory (measured at 32K: 5.1 -> 4.4 ms a
-     * layer on 2 threads; at 8K with one layer's rows kept hot, 0.52-0.61 -> 0.69 ms). */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t kg = 0; kg < items * groups; kg++) {
         const int64_t k = kg / groups, g = kg % groups * per_item;
         const int64_t i = owner[k], s = seqs[i], lo = lows[i] + (k - first[i]) * SPLIT_TOKENS;
         const int64_t hi = lo + SPLIT_TOKENS < context_lens[s] ? lo + SPLIT_TOKENS : context_lens[s];
+        /* A context past one split is taken to be out of cache: a decode step reads every layer's KV, so beyond
+         * a thousand tokens or so of a model's layers the rows come from memory (measured at 32K: 5.1 -> 4.4 ms a
+         * layer on 2 threads; at 8K with one layer's rows kept hot, 0.52-0.61 -> 0.69 ms). */
         const int copy = per_item == num_kv_heads && context_lens[s] - lows[i] > SPLIT_TOKENS;
         failed |= attend_range(q, k_pool, v_pool, block_tables + s * table_stride, lo, hi, rows[i], g, g + per_item,
                                num_heads, num_kv_heads, d, block_size, scale, is_bf16, copy,

@@ -10,16 +10,15 @@
  * so the scale costs one multiply per block, not per weight. The 2^120 is not paid per weight either: x is
  * scaled by 2^e (e = 120 unless x is large enough for that to overflow) and each block's scale by 2^(120 - e).
  * Powers of two scale exactly, so every product and sum rounds as the unscaled one would; only a product
- * below 2^-106 in size (a subnormal once scaled) could round differently. The e4m3 NaN byte (0x7F, 0xFF) reads as 480: a
- * checkpoint's weights never hold it.
+ * below 2^-106 in size (a subnormal once scaled) could round differently. The e4m3 NaN byte (0x7F, 0xFF) reads
+ * as 480: a checkpoint's weights never hold it.
  *
  * x [M, K], y [M, N] and bias [N] (or NULL): fp32, or bf16 when is_bf16. Work is split over W's rows.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
-
-#include <math.h>
 
 /* the e4m3 byte's value times 2^-120 */
 static inline float e4m3_raw(uint8_t b) {
@@ -108,7 +107,8 @@ static void tile_scalar(float out[8], const float *xs, int64_t k, const uint8_t 
             float acc = 0.f;
             for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
                 float part = 0.f;
-                for (int64_t c = c0; c < c0 + block_k && c < k; c++) part += xs[i * k + c] * e4m3_raw(w[(r ? w1 : w0) + c]);
+                for (int64_t c = c0; c < c0 + block_k && c < k; c++)
+                    part += xs[i * k + c] * e4m3_raw(w[(r ? w1 : w0) + c]);
                 acc += part * ((r ? scale1 : scale0)[blk] * unscale);
             }
             out[r * 4 + i] = acc;
