@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 _SHOWN = ("ok", "max_abs_err", "completed", "finished", "requests", "output_tok_s", "decode_tok_s",
-          "async_decode_tok_s", "async_tokens_identical", "async_scheduling", "tok_s", "mfu", "tflops", "largest_step", "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib",
-          "startup_s", "max_num_batched_tokens", "wall_s")
+          "async_decode_tok_s", "async_tokens_identical", "async_scheduling", "tok_s", "mfu", "tflops", "largest_step",
+          "activation_peak_gib", "plan_activation_peak_gib", "device_peak_gib", "startup_s", "max_num_batched_tokens",
+          "wall_s", "build_s")
 
 
 def table(results: dict) -> str:
@@ -17,8 +18,23 @@ def table(results: dict) -> str:
                      if isinstance(v, dict)]
         elif name == "engine_vs_hf":
             cells = [f"ok={res['ok']}"] + [
-                f"{model}/{k}: {v['matching_prefix']}" for model, r in res.items() if isinstance(r, dict)
-                for k, v in r.items() if isinstance(v, dict)]
+                f"{model}/{k}: " + (f"{v['matching_prefix']}" if "matching_prefix" in v else
+                                    f"{v['hit_tokens']} hit tokens, {v['checkpoints']} checkpoints")
+                for model, r in res.items() if isinstance(r, dict) for k, v in r.items() if isinstance(v, dict)]
+        elif name == "fp8_check":
+            cells = [f"ok={res['ok']}"] + [
+                f"fp8 x{k}: err {v['max_rel_err']:.1e}" + (f", {v['fp8_over_bf16']:.2f}x bf16's time"
+                                                           if "fp8_over_bf16" in v else "")
+                for k, v in res["fp8_linear"].items()] + [
+                f"{f} experts: err {res[f + '_experts_max_rel_err']:.1e}" for f in ("fp8", "mxfp4")]
+        elif name == "spec_decode":
+            cells = [f"ok={res['ok']}"] + [
+                f"{k}: tokens equal {v['tokens_identical']}, x{v['speedup']} ({v['dtype']}), "
+                f"accepted {v['acceptance_rate']}" for k, v in res.items() if isinstance(v, dict)]
+        elif name == "prefix_checkpoints":
+            cells = [f"ok={res['ok']}"] + [
+                f"{k}: replies equal {v['replies_identical']}, computed x{v['computed_ratio']}, "
+                f"TTFT x{v['ttft_ratio']}" for k, v in res.items() if isinstance(v, dict)]
         elif name == "ops_check":
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"

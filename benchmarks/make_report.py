@@ -244,6 +244,15 @@ GPU_GOALS = [
     ("seed A on the Qwen3-14B shape", "completes; largest step <= 1024", "seed_a_14b"),
     ("steps with a prefill chunk (16-256 tokens beside decodes)", "graph replay faster than eager, same hidden "
      "states", "ladle_8b_mixed_cuda_graphs"),
+    ("FP8 block GEMM at 1 and 16 rows (4096 x 4096)", "under bf16's time (half the bytes), error within bf16's",
+     "fp8_check"),
+    ("FP8 and MXFP4 grouped expert GEMMs", "the torch path's result within bf16 rounding", "fp8_check"),
+    ("experts in host memory behind a 25% device cache", "greedy agreement with resident, decode and prefill ratios",
+     "expert_tiering"),
+    ("speculative decoding: n-gram (copying model), MTP (DeepSeek-V4)", "the plain run's tokens (fp32); batch-1 "
+     "decode faster with drafts", "spec_decode"),
+    ("prefix hits from state checkpoints (Qwen3.5, DeepSeek-V4)", "replies as without caching; TTFT under it",
+     "prefix_checkpoints"),
 ]
 
 
