@@ -25,8 +25,8 @@ def _median_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> flo
 
 def fp8_check(device: torch.device, small: bool) -> dict[str, Any]:
     """Max relative error of the FP8 GEMM and the FP8 / MXFP4 grouped expert GEMMs (want ~1e-3 in bf16; `ok`
-    when all are within tolerance), and the FP8 GEMM's median time over bf16 F.linear per row count (decode rows
-    want < 1: half the bytes)."""
+    when all are within tolerance); the FP8 GEMM's median time over bf16 F.linear per row count (decode rows
+    want < 1: half the bytes), and each grouped GEMM's over the same kernel on its widened bf16 experts."""
     import torch.nn.functional as F
 
     from ladle.kernels import triton_moe
@@ -69,6 +69,11 @@ def fp8_check(device: torch.device, small: bool) -> dict[str, Any]:
         want = TorchOps.fused_experts(x, *stacks, weights, ids).float()
         got = triton_moe.fused_experts(x, *stacks, weights, ids).float()
         out[f"{fmt}_experts_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        if not small:  # against the same kernel on the widened (dequantized) stacks
+            dense_stacks = [torch.stack([st[e] for e in range(experts)]) for st in stacks]
+            q_ms = _median_ms(lambda: triton_moe.fused_experts(x, *stacks, weights, ids), device, 20)
+            d_ms = _median_ms(lambda: triton_moe.fused_experts(x, *dense_stacks, weights, ids), device, 20)
+            out[f"{fmt}_experts_ms"], out[f"{fmt}_experts_over_bf16"] = round(q_ms, 4), q_ms / d_ms
     # A wrong scale or index is off by O(1); bf16 rounding of the output alone is about 4e-3.
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     errors = [e["max_rel_err"] for e in out["fp8_linear"].values()]

@@ -26,7 +26,9 @@ def table(results: dict) -> str:
                 f"fp8 x{k}: err {v['max_rel_err']:.1e}" + (f", {v['fp8_over_bf16']:.2f}x bf16's time"
                                                            if "fp8_over_bf16" in v else "")
                 for k, v in res["fp8_linear"].items()] + [
-                f"{f} experts: err {res[f + '_experts_max_rel_err']:.1e}" for f in ("fp8", "mxfp4")]
+                f"{f} experts: err {res[f + '_experts_max_rel_err']:.1e}"
+                + (f", {res[f + '_experts_over_bf16']:.2f}x bf16's time" if f + "_experts_over_bf16" in res else "")
+                for f in ("fp8", "mxfp4")]
         elif name == "spec_decode":
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: tokens equal {v['tokens_identical']}, x{v['speedup']} ({v['dtype']}), "
