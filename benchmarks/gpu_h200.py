@@ -82,11 +82,13 @@ class Run:
     """Results and the time budget: a section runs only if its estimate fits in what is left, and a section
     that fails is recorded with its error, so one bad section never loses the others."""
 
-    def __init__(self, budget_s: float, out_dir: Path, device: torch.device, only: tuple[str, ...] = ()) -> None:
+    def __init__(self, budget_s: float, out_dir: Path, device: torch.device, only: tuple[str, ...] = (),
+                 merge: dict[str, Any] | None = None) -> None:
         self.start, self.budget, self.out_dir, self.device = time.perf_counter(), budget_s, out_dir, device
         self.only = only  # section-name prefixes to run (a rerun of what failed); empty: all
+        # merge: an earlier run's results, whose sections this run keeps unless it runs them again
         self.results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                                        "torch": torch.__version__, "sections": {}}
+                                        "torch": torch.__version__, "sections": dict((merge or {}).get("sections", {}))}
         out_dir.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200 SXM)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the control flow")
     ap.add_argument("--only", default="", help="comma-separated section-name prefixes to run, e.g. ladle_8b,hf")
+    ap.add_argument("--merge", default="", help="an earlier results.json whose other sections the output keeps")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernel check runs on CPU
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --dry-run to check the script on CPU")
         device, s, shape8, shape14 = torch.device("cuda"), Sizes(), QWEN3_8B, QWEN3_14B
-    run = Run(a.time_budget, Path(a.out), device, tuple(p for p in a.only.split(",") if p))
+    merge = json.loads(Path(a.merge).read_text()) if a.merge else None
+    run = Run(a.time_budget, Path(a.out), device, tuple(p for p in a.only.split(",") if p), merge)
     ids = itertools.count()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -44,3 +44,11 @@ def test_dry_run_every_section_passes(tmp_path: Path) -> None:
     table = proc.stdout.split("== ladle on cpu", 1)[1]
     for name in sections:
         assert f"\n{name} " in table, name
+    # A rerun of one section into the same results keeps the others (the device's second call).
+    rerun = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "fp8", "--merge",
+                            str(tmp_path / "results.json"), "--out", str(tmp_path / "rerun")], capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    merged = json.loads((tmp_path / "rerun" / "results.json").read_text())["sections"]
+    assert set(merged) == SECTIONS_ON_CPU
+    assert merged["fp8_check"]["ok"] is True and merged["expert_tiering"] == sections["expert_tiering"]
