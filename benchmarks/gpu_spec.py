@@ -68,34 +68,42 @@ def _copy_prompts(llm: Any, heads: list[list[int]], text: int, span: tuple[int, 
     return [t + t[span[0]: span[1]] for t in texts]
 
 
+def _exactness(llm: Any, batch: list[list[int]], tokens: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """Greedy tokens with a draft at every step against the same engine's plain run."""
+    from spec_decode_mtp import decode_run, force_drafts
+
+    plain = decode_run(llm, batch, tokens, "eq-plain", False)
+    drafted = decode_run(force_drafts(llm), batch, tokens, "eq-drafts", True)
+    return dict(tokens_identical=plain["outputs"] == drafted["outputs"], forced_drafted=drafted["drafted"],
+                forced_accepted=drafted["accepted"])
+
+
+def _speed(llm: Any, batch: list[list[int]], tokens: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """Decode tok/s with drafts over without, in alternating turns after a warm-up with drafts."""
+    from spec_decode_mtp import decode_run
+
+    decode_run(llm, batch, warmup, "warm", True)
+    turns: dict[bool, list[dict]] = {False: [], True: []}
+    for turn in range(repeats):
+        for with_drafts in (False, True) if turn % 2 == 0 else (True, False):
+            turns[with_drafts].append(decode_run(llm, batch, tokens, f"t{turn}{with_drafts}", with_drafts))
+    fast, slow = turns[True], turns[False]
+    drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
+    return dict(dtype=str(llm.engine.core.config.dtype).removeprefix("torch."),
+                plain_tok_s=round(statistics.median(r["tok_s"] for r in slow), 1),
+                spec_tok_s=round(statistics.median(r["tok_s"] for r in fast), 1),
+                speedup=round(statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(slow, fast)), 3),
+                drafted=drafted, acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
+                bf16_tokens_identical=all(p["outputs"] == f["outputs"] for p, f in zip(slow, fast)))
+
+
 def _case(path: str, device: torch.device, spec: dict[str, Any], prompts: Any, tokens: int, warmup: int,
           repeats: int, graphs: bool) -> dict[str, Any]:
     """prompts: the prompt list, or a function of the engine that makes it (the copy workload's)."""
-    from spec_decode_mtp import decode_run, force_drafts
-
     res: dict[str, Any] = {}
-    for dtype in ("float32", "auto"):
+    for dtype, measure in (("float32", _exactness), ("auto", _speed)):
         llm = _engine(path, device, dtype, spec, graphs)
-        batch = prompts(llm) if callable(prompts) else prompts
-        if dtype == "float32":
-            plain = decode_run(llm, batch, tokens, "eq-plain", False)
-            drafted = decode_run(force_drafts(llm), batch, tokens, "eq-drafts", True)
-            res.update(tokens_identical=plain["outputs"] == drafted["outputs"], forced_drafted=drafted["drafted"],
-                       forced_accepted=drafted["accepted"])
-        else:
-            decode_run(llm, batch, warmup, "warm", True)
-            turns: dict[bool, list[dict]] = {False: [], True: []}
-            for turn in range(repeats):
-                for with_drafts in (False, True) if turn % 2 == 0 else (True, False):
-                    turns[with_drafts].append(decode_run(llm, batch, tokens, f"t{turn}{with_drafts}", with_drafts))
-            fast, slow = turns[True], turns[False]
-            drafted, accepted = sum(r["drafted"] for r in fast), sum(r["accepted"] for r in fast)
-            res.update(dtype=str(llm.engine.core.config.dtype).removeprefix("torch."),
-                       plain_tok_s=round(statistics.median(r["tok_s"] for r in slow), 1),
-                       spec_tok_s=round(statistics.median(r["tok_s"] for r in fast), 1),
-                       speedup=round(statistics.median(f["tok_s"] / p["tok_s"] for p, f in zip(slow, fast)), 3),
-                       drafted=drafted, acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
-                       bf16_tokens_identical=all(p["outputs"] == f["outputs"] for p, f in zip(slow, fast)))
+        res.update(measure(llm, prompts(llm) if callable(prompts) else prompts, tokens, warmup, repeats))
         llm.shutdown()
         del llm
         if device.type == "cuda":
