@@ -1,7 +1,8 @@
 """The edges of starting and stopping a server: an API key from a file (trailing newline) works, a taken port
 fails at once in one line, a truncated tokenizer.json is named, a broken chat template is the server's 500
 (not the client's 400), and SIGHUP drains like SIGTERM. Plus the small answers: 415 for a body that is not
-JSON, HEAD /health, no filesystem path in /v1/models, no megabyte echoed back in a 404.
+JSON, HEAD /health, no filesystem path in /v1/models, no megabyte echoed back in a 404, and no checkpoint
+path in what a client sees (the served name is the directory's name; /health's failure text is redacted).
 
 One server (its key given with a trailing newline) serves most of this module; the SIGHUP test stops it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -71,6 +73,37 @@ def test_head_health_models_root_and_a_clipped_404(server):
     r = server.post("/v1/completions", {"model": "m" * 1_000_000, "prompt": "hi"})
     err = assert_error_envelope(r, 404, "model_not_found")
     assert len(err["message"]) < 1000 and "1000000 characters" in err["message"]
+
+
+def test_clients_see_the_directorys_name_never_its_path(tiny_qwen3_dir, tmp_path):
+    """The served name defaults to the checkpoint directory's name; the path as given is still served (vLLM's
+    clients send it) but shown nowhere: not in /v1/models, a 404, /metrics, nor the open /health while an engine
+    restart fails on a checkpoint that lost its config.json."""
+    model = shutil.copytree(tiny_qwen3_dir, tmp_path / "ckpts" / "my-model")
+    paths = {str(model), str(model.resolve()), str(tmp_path)}
+    srv = ServerProcess(str(model), tmp_path, "--num-kv-blocks", "64").start()
+    try:
+        card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]
+        assert card["id"] == card["root"] == "my-model", card
+        assert srv.post("/v1/completions", {"model": str(model), "prompt": "hi", "max_tokens": 2}).status_code == 200
+        r = srv.post("/v1/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
+        err = assert_error_envelope(r, 404, "model_not_found")
+        assert "'my-model'" in err["message"] and not any(p in r.text for p in paths), err
+        assert not any(p in srv.metrics() for p in paths)
+
+        (model / "config.json").rename(model / "config.json.moved")
+        os.kill(srv.health()[1]["engine_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "exited with code" not in str((body := httpx.get(srv.base_url + "/health").text)):
+            assert time.monotonic() < deadline, body
+            time.sleep(0.1)
+        assert "<model> has no config.json" in body.replace("'", ""), body
+        assert not any(p in body for p in paths), body
+        r = srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and not any(p in r.text for p in paths), r.text
+        assert f"{model}' has no config.json" in srv.log()  # the operator's log keeps the whole text
+    finally:
+        srv.kill()
 
 
 def test_a_taken_port_fails_at_once_in_one_line(server, tiny_qwen3_dir):

@@ -15,6 +15,7 @@ from ladle.engine.core_output import EngineSnapshot
 from ladle.serving.messages import (
     AbortRequests, Added, AddRequest, EngineInfo, FromEngine, Outputs, Ping, Pong, Ready, Rejected,
 )
+from ladle.serving.path_redactor import PathRedactor
 from ladle.serving.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
 from ladle.request import RequestRejected, child_request_ids
 from ladle.sampling_params import SamplingParams
@@ -58,6 +59,9 @@ class AsyncEngineClient:
         self.supervisor = EngineSupervisor(args, explicit, config, log_level, self._on_message, self._on_dead,
                                            self.ping)
         self.on_snapshot = on_snapshot
+        self.model_path = args.model  # as given: clients may send it as the model's name, but never see it
+        # What clients see of a failure names no file of the server's (the supervisor logs the whole text).
+        self._redact = PathRedactor.of({"<model>": args.model, "<tokenizer>": args.tokenizer})
         self.snapshot = EngineSnapshot()
         self._requests: dict[str, RequestHandle] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -72,7 +76,9 @@ class AsyncEngineClient:
 
     @property
     def failure_reason(self) -> str | None:
-        return self.supervisor.failure_reason
+        """Why the last engine died, for clients: paths replaced by <model>, <tokenizer> or <path>."""
+        reason = self.supervisor.failure_reason
+        return self._redact(reason) if reason is not None else None
 
     @property
     def num_restarts(self) -> int:
@@ -223,7 +229,7 @@ class AsyncEngineClient:
             self.on_snapshot(proc.number, snap)
 
     def _on_dead(self, proc: EngineProcess) -> None:
-        self.fail_in_flight(f"{proc.exit_reason()}; the server is restarting it")
+        self.fail_in_flight(f"{self._redact(proc.exit_reason())}; the server is restarting it")
         self._set_snapshot(proc, EngineSnapshot())
 
     def fail_in_flight(self, reason: str, code: str = "engine_restarting") -> None:

@@ -53,8 +53,9 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     engine_args, explicit = engine_args_from_flags(args, args.model_tag or args.model)
     engine_args = dataclasses.replace(engine_args, reserved_cpus=reserved_cpus)
     model = engine_args.model
-    # As vLLM names it: the model argument as given, so a client sending --model's value finds it.
-    name = args.served_model_name or args.model_tag or args.model or os.path.basename(os.path.normpath(model))
+    # The directory's name, not its path: clients see it (/v1/models, 404s, /metrics' labels) and need no view of
+    # the server's disk. A client sending the path as given, as vLLM's do, is still served (app.check_model).
+    name = args.served_model_name or os.path.basename(os.path.abspath(model))
     metrics = ServerMetrics(name)
     supervision = SupervisorConfig(
         max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,

@@ -114,7 +114,9 @@ def build_app(state: ServerState) -> FastAPI:
         return envelope(internal_error(f"{request.method} {request.url.path} failed", exc), path=request.url.path)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != ctx.model_name:
+        # The checkpoint's path as given is served too (vLLM serves under it, so its clients and `vllm bench
+        # serve --model DIR` send it), but never shown: the 404 and /v1/models name the served name only.
+        if name is not None and name != ctx.model_name and name != ctx.client.model_path:
             raise OpenAIError(404, f"the model {clip(name)!r} does not exist; this server serves "
                               f"{ctx.model_name!r}", code="model_not_found", param="model")
 

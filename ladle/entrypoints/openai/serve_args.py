@@ -17,7 +17,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model argument as given, as vLLM names it)")
+                   help="the model name clients send and /v1/models shows (default: the model directory's name; "
+                        "the model argument as given is accepted too, never shown)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 429 when this many requests are already waiting (default: unbounded)")
