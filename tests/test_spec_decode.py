@@ -14,6 +14,7 @@ from ladle import LLM, SamplingParams
 from ladle.engine.ngram_proposer import NgramProposer, propose
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+SPEC_LOGPROB_ATOL = 1e-5  # README, "Speculative decoding": fp32 logprobs with drafts, against the plain run's
 
 
 def spec(k: int, **extra) -> dict:
@@ -151,16 +152,22 @@ def test_unseeded_random_rows_sample_the_same_distribution(plain, tiny_qwen3_dir
 
 
 def test_logprobs_are_the_target_models(plain, tiny_qwen3_dir, copy_prompts):
+    """The bound the README states: a row with drafts runs as a (k+1)-row chunk, whose sums round otherwise than
+    one-row decodes' (at most 4e-6 here on AMD EPYC AVX2, about as far as a different batch moves the plain
+    run's); a logprob taken from the wrong position or distribution is off by far more."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     llm = drafting(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, speculative_config=spec(3)))
     got = llm.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
     want = plain.generate([{"prompt_token_ids": p} for p in copy_prompts], params, use_tqdm=False)
     assert llm.stats.spec_decode_num_accepted_tokens > 0
+    worst = 0.0
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert list(lg) == list(lw)
-            assert all(abs(lg[t].logprob - lw[t].logprob) < 1e-4 and lg[t].rank == lw[t].rank for t in lg)
+            assert list(lg) == list(lw) and all(lg[t].rank == lw[t].rank for t in lg)
+            worst = max(worst, *(abs(lg[t].logprob - lw[t].logprob) for t in lg))
+    print(f"\nlargest logprob difference with drafts: {worst:.2g}")
+    assert worst <= SPEC_LOGPROB_ATOL
 
 
 def test_stops_hold_at_every_accepted_token(plain, tiny_qwen3_dir, copy_prompts, plain_greedy):
