@@ -87,6 +87,22 @@ def test_forced_tool_use_validates_and_a_tool_conversation_round_trips(server, c
 
 @pytest.mark.server
 @pytest.mark.slow
+def test_forced_tool_use_with_defs_and_refs_validates(server, client):
+    schema = {"$defs": {"City": {"type": "string", "maxLength": 10}, "Days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7}},
+              "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "days": {"$ref": "#/$defs/Days"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    msg = client.messages.create(model=model(server), max_tokens=300, messages=ASK, thinking={"type": "disabled"},
+                                 tools=[{"name": "get_weather", "input_schema": schema}],
+                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and uses
+    for u in uses:
+        jsonschema.validate(u.input, schema)
+
+
+@pytest.mark.server
+@pytest.mark.slow
 def test_errors_come_in_anthropics_envelope(server, client):
     m = model(server)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}

@@ -82,6 +82,20 @@ def test_a_tool_conversation_round_trips_as_items(client):
     assert [item.type for item in third.output] == ["function_call"]
 
 
+def test_forced_calls_with_defs_and_refs_validate(client):
+    schema = {"$defs": {"Days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "days": {"$ref": "#/$defs/Days"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "get_weather", "parameters": schema}]
+    r = client.responses.create(model=model(client), input="Weather in Paris?", tools=tools, tool_choice="required",
+                                max_output_tokens=300, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), schema)
+
+
 def test_text_format_json_schema_is_enforced(client):
     r = client.responses.create(model=model(client), input="Report the weather.", max_output_tokens=300,
                                 temperature=0, text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER,

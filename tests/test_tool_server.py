@@ -22,6 +22,13 @@ CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "re
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+# pydantic's model_json_schema() of a model with a nested model and an enum: $defs and $ref
+PYDANTIC = {"$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                               "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["x", "y"], "additionalProperties": False, "title": "Point"},
+                      "Unit": {"enum": ["C", "F"], "title": "Unit", "type": "string"}},
+            "type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}, "unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["at", "unit"], "additionalProperties": False, "title": "Move"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -64,6 +71,17 @@ def test_forced_calls_validate_against_their_schemas(client, choice):
         valid(c.message.tool_calls)
         if isinstance(choice, dict):
             assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_forced_calls_with_defs_and_refs_validate(client, choice):
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "move", "parameters": PYDANTIC}}]
+    r = client.chat.completions.create(model=model(client), messages=ASK, tools=tools, tool_choice=choice,
+                                       max_tokens=400, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), {**SCHEMAS, "move": PYDANTIC}[c.function.name])
 
 
 def test_metrics_count_apis_constrained_requests_and_calls(server, client):

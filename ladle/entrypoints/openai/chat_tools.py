@@ -7,7 +7,7 @@ from typing import Any
 
 from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.protocol_base import OpenAIError
-from ladle.entrypoints.openai.tool_parsers.base import Tools
+from ladle.entrypoints.openai.tool_parsers.base import Tools, UnsupportedSchema
 from ladle.sampling_params import SamplingParams, StructuredOutputsParams, ThinkTags
 
 
@@ -57,7 +57,10 @@ def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured
                               "constrain the output; send one", code="invalid_value", param="tool_choice")
         assert settings.tool_format is not None
         tools = plan.tools if plan.function is None else {plan.function: plan.tools[plan.function]}
-        grammar = settings.tool_format.grammar(tools, parallel and plan.function is None)
+        try:
+            grammar = settings.tool_format.grammar(tools, parallel and plan.function is None)
+        except UnsupportedSchema as e:
+            raise OpenAIError(400, str(e), code="invalid_value", param="tools") from None
         structured, param = StructuredOutputsParams(grammar=grammar), "tool_choice"
     return structured, param
 

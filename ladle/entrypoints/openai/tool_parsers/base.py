@@ -18,6 +18,11 @@ from typing import Any, NamedTuple
 Tools = dict[str, dict[str, Any]]  # a request's functions: name -> JSON schema of its parameters
 
 
+class UnsupportedSchema(ValueError):
+    """A tool's parameters that a format cannot hold a forced call to; the message names the tool, the parameter
+    and why."""
+
+
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
@@ -74,7 +79,8 @@ class ToolFormat(ABC):
         """A Lark grammar (llguidance) whose every output is one call (several with parallel) of these tools in
         this format, with arguments valid against each schema: tool_choice "required" or a named function. Tags
         are spelled as text: a tag the tokenizer has as one plain added token matches that token (see
-        ladle.structured_output.manager.llguidance_tokenizer)."""
+        ladle.structured_output.manager.llguidance_tokenizer). UnsupportedSchema where the format cannot hold a
+        call to a schema."""
 
 
 class TaggedFormat(ToolFormat):
@@ -91,17 +97,6 @@ class TaggedFormat(ToolFormat):
         body = region[len(self.start):]
         closed = body.endswith(self.end)
         return (body[:-len(self.end)] if closed else body), closed
-
-
-def raw_string(schema: dict[str, Any]) -> str:
-    """A Lark regex for a string parameter written as raw text (the XML and DSML formats): its pattern (anchors
-    dropped) when it has one, else any text within minLength..maxLength. No '<': a value could otherwise forge
-    its own closing tag, so a forced call cannot carry '<' in a string (code with tags, comparisons)."""
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        return "/" + pattern.removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    return f"/[^<]{{{low},{'' if high is None else high}}}/"
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -22,8 +22,12 @@ import json
 import re
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools, partial_suffix, raw_string
+from ladle.entrypoints.openai.tool_parsers.base import (
+    CallProgress, ToolFormat, Tools, UnsupportedSchema, partial_suffix,
+)
+from ladle.entrypoints.openai.tool_parsers.parameters import raw_regex, unsupported, writable
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+from ladle.structured_output.schema_refs import standalone
 
 D = "\uff5cDSML\uff5c"  # the fullwidth bars (U+FF5C) around DSML, as the tokenizer and the template spell them
 BLOCK, BLOCK_END = f"<{D}tool_calls>", f"</{D}tool_calls>"
@@ -34,11 +38,12 @@ _PARAM = re.compile(re.escape(PARAM) + r'([^"<>\n]*)" string="(true|false)">')
 _WS = re.compile(r"\s*")
 _INVOKE_CLOSE = '">\n'  # after the name, in the grammar
 BLOCK_OPENING = f"\n\n{BLOCK}\n"  # the block's start as the model writes it
+FORMAT = "deepseek_v4"
 STRING_VALUE = r"/[^<]*/"  # the grammar's raw text: it cannot hold "<", which would need lookahead to allow
 
 
 class DeepSeekV4Format(ToolFormat):
-    name = "deepseek_v4"
+    name = FORMAT
     start = ""  # every position may open a region: region_end splits content from blocks (see the docstring)
 
     def region_end(self, region: str) -> int | None:
@@ -85,7 +90,7 @@ class DeepSeekV4Format(ToolFormat):
 
     def grammar(self, tools: Tools, parallel: bool) -> str:
         # One rule per tool (named by index: a tool's name need not be a Lark name).
-        rules = [f"call_{i}: {_lit(INVOKE + name + _INVOKE_CLOSE)} {_params_rule(params)}{_lit(INVOKE_END)}"
+        rules = [f"call_{i}: {_lit(INVOKE + name + _INVOKE_CLOSE)} {_params_rule(name, params)}{_lit(INVOKE_END)}"
                  for i, (name, params) in enumerate(tools.items())]
         calls = " | ".join(f"call_{i}" for i in range(len(tools)))
         body = 'call ("\\n" call)*' if parallel else "call"
@@ -140,34 +145,39 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _params_rule(params: dict[str, Any]) -> str:
-    """The parameters of one invoke, in the schema's order: required ones always, the rest optional. String
-    properties are raw text (string="true"), the rest JSON against their own schema (string="false"). A schema
-    without "properties" (a free-form object) takes any parameters; an empty one takes none."""
-    props: dict[str, Any] = (params or {}).get("properties") or {}
-    required = set((params or {}).get("required") or [])
+def _params_rule(tool: str, params: Any) -> str:
+    """The parameters of one invoke, in the schema's order: required ones always, the rest optional. A string
+    parameter is raw text (string="true") where raw text can hold its schema, the rest JSON against their own
+    schema (string="false"), refs resolving against the whole parameters. A schema without "properties" (a
+    free-form object) takes any parameters; an empty one takes none."""
+    p = writable(FORMAT, tool, params)
     items = []
-    for key, sub in props.items():
-        sub = sub if isinstance(sub, dict) else {}
-        item = _param(key, sub)
-        items.append(item if key in required else f"({item})?")
-    if "properties" not in (params or {}) and (params or {}).get("additionalProperties", True) is not False:
+    for key, sub in p.properties.items():
+        if sub is False:
+            continue  # a parameter no value is valid for: never written
+        item = _param(key, sub if isinstance(sub, dict) else {}, p.root)
+        items.append(item if key in p.required else f"({item})?")
+    extra = p.top.get("additionalProperties", True)
+    if "properties" not in p.top and extra is not False:
+        if extra not in (True, {}):
+            raise unsupported(FORMAT, tool, None, "a schema for parameters it does not name (additionalProperties)")
         any_value = (f'("\\" string=\\"true\\">" {STRING_VALUE} | "\\" string=\\"false\\">" '
                      f'%json {json.dumps(_bounded({}))})')
         items.append(f'({_lit(PARAM)} /[A-Za-z_][A-Za-z0-9_.-]*/ {any_value} {_lit(PARAM_END + chr(10))})*')
     return "".join(f"{i} " for i in items)
 
 
-def _param(key: str, sub: dict[str, Any]) -> str:
+def _param(key: str, sub: dict[str, Any], root: dict[str, Any]) -> str:
+    value = None
     if sub.get("type") == "string":
-        choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
-        if choices and all(isinstance(c, str) and "<" not in c for c in choices):
-            value = "(" + " | ".join(_lit(c) for c in choices) + ")"  # the enum itself, not any text
-        else:
-            value = raw_string(sub)
+        try:
+            value = raw_regex(sub, (PARAM_END, BLOCK_END))
+        except UnsupportedSchema:
+            pass  # a string raw text cannot hold (a format, say): written as JSON, which can
+    if value is not None:
         opener = _lit(f'{PARAM}{key}" string="true">')
     else:
-        value = f"%json {json.dumps(_bounded(sub))}"
+        value = f"%json {json.dumps(_bounded(standalone(sub, root)))}"
         opener = _lit(f'{PARAM}{key}" string="false">')
     return f"{opener} {value} {_lit(PARAM_END + chr(10))}"
 

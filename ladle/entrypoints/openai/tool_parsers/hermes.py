@@ -14,6 +14,7 @@ import re
 
 from ladle.entrypoints.openai.tool_parsers.base import CallProgress, TaggedFormat, Tools
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+from ladle.structured_output.schema_refs import relocate
 
 START, END = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -73,16 +74,17 @@ class HermesFormat(TaggedFormat):
         return [CallProgress(name, body[a.end():end] if end is not None else body[a.end():], False)]
 
     def grammar(self, tools: Tools, parallel: bool) -> str:
-        schema = {"anyOf": [call_schema(name, params, "arguments") for name, params in tools.items()],
-                  "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
-        call = f'"{START}\\n" %json {json.dumps(schema)} "\\n{END}"'
+        call = f'"{START}\\n" %json {json.dumps(calls_schema(tools, "arguments"))} "\\n{END}"'
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
 
 
-def call_schema(name: str, params: dict, key: str) -> dict:
-    """{"name": name, key: <params>}: one call of one function, as a JSON schema."""
-    return {"type": "object", "properties": {"name": {"const": name}, key: params or {"type": "object"}},
-            "required": ["name", key], "additionalProperties": False}
+def calls_schema(tools: Tools, key: str) -> dict:
+    """{"name": <a tool's name>, key: <its parameters>}: one call of any of the tools, as one JSON schema. Each
+    tool's parameters sit at /anyOf/<i>/properties/<key>, and their local refs move there with them."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, key: relocate(
+        params, f"/anyOf/{i}/properties/{key}") or {"type": "object"}}, "required": ["name", key],
+        "additionalProperties": False} for i, (name, params) in enumerate(tools.items())]
+    return {"anyOf": calls, "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
 
 
 def _same(raw: str, args: dict) -> bool:

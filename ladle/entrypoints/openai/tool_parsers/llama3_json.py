@@ -21,8 +21,7 @@ import json
 import re
 
 from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools
-from ladle.entrypoints.openai.tool_parsers.hermes import call_schema, object_end
-from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+from ladle.entrypoints.openai.tool_parsers.hermes import calls_schema, object_end
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -81,9 +80,7 @@ class Llama3JsonFormat(ToolFormat):
         return None if final and not calls else calls
 
     def grammar(self, tools: Tools, parallel: bool) -> str:
-        schema = {"anyOf": [call_schema(name, params, "parameters") for name, params in tools.items()],
-                  "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
-        call = f"%json {json.dumps(schema)}"
+        call = f"%json {json.dumps(calls_schema(tools, 'parameters'))}"
         return f"start: call ({json.dumps(SEPARATOR)} call)*\ncall: {call}" if parallel else f"start: {call}"
 
 

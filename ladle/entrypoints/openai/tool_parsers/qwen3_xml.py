@@ -22,9 +22,13 @@ import re
 from typing import Any
 
 from ladle.entrypoints.openai.tool_parsers.base import (
-    CallProgress, TaggedFormat, Tools, partial_suffix, raw_string,
+    CallProgress, TaggedFormat, Tools, UnsupportedSchema, partial_suffix,
+)
+from ladle.entrypoints.openai.tool_parsers.parameters import (
+    STRING_TYPES, parameters, raw_regex, unsupported, writable,
 )
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+from ladle.structured_output.schema_refs import NON_CONSTRAINING, standalone
 
 START, END = "<tool_call>", "</tool_call>"
 FUNC, FUNC_END = "<function=", "</function>"
@@ -32,33 +36,76 @@ PARAM, PARAM_END = "<parameter=", "</parameter>"
 # A name with any of these is a phantom call (prose about the format), not one to run (vLLM rejects the same).
 _BAD_NAME = re.compile(r"""[\s{}<>"']""")
 
-_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
 _BOOL_TYPES = {"boolean", "bool", "binary"}
+# What a raw value may not hold: the tags that end it, or its call.
+_STOPS = (PARAM_END, PARAM, FUNC_END, END)
 
 
 def param_type(schema: Any) -> str:
-    """The type a parameter's value is read as: its schema's type (the first non-null one of a list or anyOf),
-    "string" when it names none (vLLM's reading: raw text is the safe default)."""
+    """The type a parameter's value is read as: its schema's type (the first non-null one of a list; else of its
+    enum's values when they share one; else of an anyOf, oneOf or allOf member), "string" when it names none
+    (vLLM's reading: raw text is the safe default). The schema's own ref is followed first (see parameters)."""
+    return _declared(schema) or "string"
+
+
+def _declared(schema: Any) -> str | None:
     if not isinstance(schema, dict):
-        return "string"
+        return None
     t = schema.get("type")
     if isinstance(t, list):
-        t = next((x for x in t if x != "null"), "null")
-    if t is None:
-        for alt in schema.get("anyOf") or schema.get("oneOf") or []:
-            if isinstance(alt, dict) and alt.get("type") not in (None, "null"):
-                return param_type(alt)
-        return "string"
-    return str(t).strip().lower()
+        t = next((x for x in t if x != "null"), "null" if t else None)
+    if t is not None:
+        return str(t).strip().lower()
+    values = _values(schema)
+    if values is not None:
+        kinds = {_json_type(v) for v in values} - {"null"}
+        if kinds and kinds <= {"integer", "number"}:
+            return "integer" if kinds == {"integer"} else "number"
+        if len(kinds) <= 1:
+            return kinds.pop() if kinds else "null"
+    for alt in [*(schema.get("anyOf") or schema.get("oneOf") or []), *(schema.get("allOf") or [])]:
+        t = _declared(alt)
+        if t not in (None, "null"):
+            return t
+    return None
+
+
+def _values(schema: dict[str, Any]) -> list[Any] | None:
+    """The values an enum or const allows (None: it has neither)."""
+    if isinstance(schema.get("enum"), list):
+        return [v for v in schema["enum"] if "const" not in schema or _same_value(v, schema["const"])]
+    return [schema["const"]] if "const" in schema else None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b  # JSON's equality: true is not 1
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "string")
 
 
 def _nullable(schema: Any) -> bool:
     if not isinstance(schema, dict):
         return False
     t = schema.get("type")
+    values = _values(schema)
     return t == "null" or (isinstance(t, list) and "null" in t) or any(
-        isinstance(a, dict) and a.get("type") == "null" for a in schema.get("anyOf") or schema.get("oneOf") or [])
+        isinstance(a, dict) and a.get("type") == "null" for a in schema.get("anyOf") or schema.get("oneOf") or []) or (
+        t is None and values is not None and None in values)
+
+
+def _admits(schema: dict[str, Any], value: Any) -> bool:
+    """Whether the schema's enum and const allow value."""
+    values = _values(schema)
+    return values is None or any(_same_value(v, value) for v in values)
 
 
 def convert(value: str, schema: Any) -> Any:
@@ -68,10 +115,10 @@ def convert(value: str, schema: Any) -> Any:
         return value
     t = param_type(schema)
     # The Qwen3.5 template renders Python's None as "None", so history and the model both write it.
-    if value.strip().lower() in ("null", "none") and (t not in _STRING_TYPES or _nullable(schema)):
+    if value.strip().lower() in ("null", "none") and (t not in STRING_TYPES or _nullable(schema)):
         return None
     try:
-        if t in _STRING_TYPES:
+        if t in STRING_TYPES:
             return value
         if t.startswith(_INT_PREFIXES):
             return int(value)
@@ -118,7 +165,7 @@ class Qwen3XmlFormat(TaggedFormat):
         name = body[pos:gt]
         if not name or _BAD_NAME.search(name):
             return None
-        props = (tools.get(name) or {}).get("properties") or {}
+        props = parameters(tools.get(name)).properties
         parts: list[str] = []
         pos = gt + 1
         while True:
@@ -152,14 +199,18 @@ class Qwen3XmlFormat(TaggedFormat):
         rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
         terminals: list[str] = []
         for i, (name, params) in enumerate(tools.items()):
-            params = params or {}
-            required = set(params.get("required") or [])
+            p = writable(self.name, name, params)
             body = [_lit(f"{START}\n{FUNC}{name}>\n")]
-            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            for j, (key, schema) in enumerate(p.properties.items()):
+                if schema is False:
+                    continue  # a parameter no value is valid for: never written
                 rule = f"p_{i}_{j}"
-                value = _value(schema, rule.upper(), rules, terminals)
+                try:
+                    value = _value(schema, p.root, rule.upper(), rules, terminals)
+                except UnsupportedSchema as e:
+                    raise unsupported(self.name, name, key, str(e)) from None
                 rules.append(f"{rule}: {_lit(f'{PARAM}{key}>' + chr(10))} {value}")
-                body.append(rule if key in required else f"{rule}?")
+                body.append(rule if key in p.required else f"{rule}?")
             body.append(_lit(f"{FUNC_END}\n{END}"))
             rules.append(f"call_{i}: {' '.join(body)}")
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
@@ -179,38 +230,37 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _value(schema: Any, terminal: str, rules: list[str], terminals: list[str]) -> str:
+def _value(schema: Any, root: dict[str, Any], terminal: str, rules: list[str], terminals: list[str]) -> str:
     """A parameter's value and its closing tag. Raw text and the closing tag must be one terminal: llguidance
     lexes greedily, so a separate /[^<]*/ would swallow the framing "\\n" and then fail at '<'."""
     close = _lit(f"\n{PARAM_END}\n")
-    t, schema = param_type(schema), schema if isinstance(schema, dict) else {}
+    t = param_type(schema)
     scalar = _json_scalar(t)
-    if t in ("object", "array"):
-        sub = dict(schema)
-    elif scalar is not None:
-        # JSON scalars are raw text already, so JSON's grammar with the schema's bounds is the value's; the
-        # type is pinned to the one the parser reads it as.
-        sub = {k: v for k, v in schema.items() if k in _SCALAR_KEYWORDS}
-        sub["type"] = [scalar, "null"] if _nullable(schema) and scalar != "null" else scalar
-    else:
-        enum = schema.get("enum")
-        if enum and all(isinstance(e, str) and "<" not in e for e in enum):
-            terminals.append(f"{terminal}: ({' | '.join(_lit(e) for e in enum)}) {close}")
-        else:
-            terminals.append(f"{terminal}: {raw_string(schema)} {close}")
+    if t not in ("object", "array") and scalar is None:
+        text = raw_regex(schema, _STOPS)
+        terminals.append(f"{terminal}: {f'({text} | {_lit(NONE)})' if _nullable(schema) else text} {close}")
         return terminal
-    sub["x-guidance"] = {"whitespace_pattern": DEFAULT_WHITESPACE}
-    # The template renders values with Jinja's |string, so history (and a model that learned from it) spells
-    # booleans and null the Python way; the parser reads either spelling.
-    alts = (['"true"', '"false"', '"True"', '"False"'] if scalar == "boolean"
-            else [f"%json {json.dumps(sub, ensure_ascii=False)}"])
-    if scalar == "null" or _nullable(schema):
-        alts += ['"null"', '"None"'] if scalar == "boolean" else ['"None"']
+    schema = schema if isinstance(schema, dict) else {}
+    none = _nullable(schema) and _admits(schema, None)
+    if scalar == "boolean" and not set(schema) - NON_CONSTRAINING - {"type", "enum", "const"}:
+        # The template renders values with Jinja's |string, so history (and a model that learned from it) spells
+        # booleans and null the Python way; the parser reads either spelling.
+        alts = [_lit(text) for v in (True, False) if _admits(schema, v) for text in (json.dumps(v), str(v))]
+        alts += [_lit("null"), _lit(NONE)] if none else []
+        if not alts:
+            raise UnsupportedSchema("no boolean is valid for it")
+    else:
+        # JSON scalars are raw text already, so JSON's grammar with the whole schema is the value's; the type is
+        # pinned to the one the parser reads it as. Refs resolve against the whole parameters (standalone).
+        sub = schema if scalar is None else {**schema, "type": [scalar, "null"] if none and scalar != "null"
+                                             else scalar}
+        doc = {**standalone(sub, root), "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
+        alts = [f"%json {json.dumps(doc, ensure_ascii=False)}"] + ([_lit(NONE)] if scalar == "null" or none else [])
     rules.append(f"{terminal.lower()}_v: {' | '.join(alts)}")
     return f"{terminal.lower()}_v {close}"
 
 
-_SCALAR_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const")
+NONE = "None"  # the template renders Python's None so, and the parser reads it as null
 
 
 def _json_scalar(t: str) -> str | None:
