@@ -112,6 +112,10 @@ def test_errors_come_in_anthropics_envelope(server, client):
         ({"model": m, "max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool"}}, "name"),
         ({"model": m, "max_tokens": 5, "messages": ASK, "container": "x"}, "container"),
         ({"model": "other", "max_tokens": 5, "messages": ASK}, "does not exist"),
+        ({"model": m, "max_tokens": 5, "messages": ASK + [  # a result with no tool_use in the turn before it
+            {"role": "assistant", "content": "Sunny."},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]},
+         "messages[2].content[0]: tool_result's tool_use_id 'toolu_1' matches no tool_use"),
     ]
     for body, words in cases:
         r = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)

@@ -110,6 +110,10 @@ BAD = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"truncation": "auto"}, "truncation"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"},  # before its call
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}]},
+     "input[0].call_id"),
 ]
 
 

@@ -171,6 +171,11 @@ BAD = [
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "get_weather", "arguments": "[1]"}}]}]}, "messages", "not a JSON object"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", None),
+    ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_nope", "content": "sunny"}]},
+     "messages[1].tool_call_id", "matches no tool call"),  # a result with no call
+    ({"messages": ASK + [{"role": "tool", "tool_call_id": "c", "content": "sunny"}, {
+        "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{}"}}]}]}, "messages[1].tool_call_id", "'c'"),  # before its call
 ]
 
 

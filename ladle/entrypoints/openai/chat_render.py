@@ -8,7 +8,7 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from ladle.entrypoints.openai.protocol_base import OpenAIError
+from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
 from ladle.frontend.message_marks import message_ends
 
 # Keywords the server itself passes to the template: a request's chat_template_kwargs may not set them.
@@ -26,9 +26,19 @@ class ChatPrompt:
 
 
 def chat_prompt(req: Any, template: str | None) -> ChatPrompt:
-    """Checks what the template cannot (tool-call arguments that are not objects, reserved keywords)."""
+    """Checks what the template cannot (tool-call arguments that are not objects, a tool message that answers
+    no earlier call, reserved keywords)."""
     messages = []
+    called: set[str] = set()  # the ids of the calls assistant messages made so far
     for i, m in enumerate(req.messages):
+        # As OpenAI requires: a result with no call before it (a typo, a history cut short, a result sent ahead
+        # of its call) is the client's bug, not an answer the model should read. A call without a result passes.
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in called:
+            raise OpenAIError(400, f"messages[{i}].tool_call_id {clip(m.tool_call_id)!r} matches no tool call of an "
+                              "earlier assistant message; a tool message answers a call in an assistant message's "
+                              "tool_calls before it", code="invalid_value", param=f"messages[{i}].tool_call_id")
+        if m.role == "assistant":
+            called.update(tc.id for tc in m.tool_calls or [])
         d = m.model_dump(exclude_none=True)
         d.setdefault("content", "")
         if m.tool_calls:

@@ -15,7 +15,7 @@ from ladle.entrypoints.openai.anthropic_protocol import (
 )
 from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
 from ladle.entrypoints.openai.messages_stream import BlockWriter, event, stop_reason
-from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import respond
 
@@ -95,7 +95,14 @@ def to_chat(req: CountTokensRequest, max_tokens: int | None, stream: bool) -> Ch
     if req.system:
         text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
         messages.append({"role": "system", "content": text})
+    called: set[str] = set()  # the tool_use ids of the last assistant turn
     for i, m in enumerate(req.messages):
+        if m.role == "assistant":
+            # Consecutive assistant messages are one turn, as Anthropic reads them.
+            ids = {b.id for b in m.content if isinstance(b, ToolUseBlock)} if isinstance(m.content, list) else set()
+            called = called | ids if i and req.messages[i - 1].role == "assistant" else ids
+        else:
+            _check_results(i, m, called)
         messages += _messages(i, m)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": max_tokens, "stream": stream}
     if req.tools:
@@ -154,6 +161,17 @@ def _messages(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
     if thoughts:
         msg["reasoning_content"] = "".join(thoughts)
     return [msg]
+
+
+def _check_results(i: int, m: AnthropicMessage, called: set[str]) -> None:
+    """Each tool_result answers a tool_use of the previous assistant turn, as Anthropic requires: one that does
+    not (a typo, a history cut short, a result sent ahead of its call) is a 400 naming it."""
+    for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+        if isinstance(b, ToolResultBlock) and b.tool_use_id not in called:
+            raise OpenAIError(400, f"messages[{i}].content[{j}]: tool_result's tool_use_id "
+                              f"{clip(b.tool_use_id)!r} matches no tool_use block in the previous assistant "
+                              "message; each tool_result answers a tool_use of the turn before it",
+                              code="invalid_value", param=f"messages[{i}].content[{j}].tool_use_id")
 
 
 def _object(arguments: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 
 from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
-from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, ItemReference, MessageItem, Part, ReasoningItem, ResponsesRequest,
     TextPart,
@@ -113,6 +113,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     thought: list[str] = []
+    called: set[str] = set()  # the call_ids of the function_call items so far
     for i, item in enumerate(items):
         if isinstance(item, ItemReference):
             raise OpenAIError(400, f"input[{i}]: item_reference needs stored items; this server stores none",
@@ -126,6 +127,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                 msg["reasoning_content"], thought = "".join(thought), []
             messages.append(msg)
         elif isinstance(item, FunctionCallItem):
+            called.add(item.call_id)
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -136,6 +138,10 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             if thought:
                 messages[-1]["reasoning_content"], thought = "".join(thought), []
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:  # as OpenAI answers it: an output needs its call earlier in input
+                raise OpenAIError(400, f"input[{i}]: no tool call found for function call output with call_id "
+                                  f"{clip(item.call_id)!r} (a function_call_output answers a function_call earlier "
+                                  "in input)", code="invalid_value", param=f"input[{i}].call_id")
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1]["_answered"] = True
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, i)})
