@@ -35,7 +35,9 @@ class LLM:
         self._next_id = 0
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel ranks now (they stop anyway when this process exits)."""
+        """Stop the engine's other tensor-parallel ranks and grammar workers now (they stop anyway when this
+        process exits)."""
+        self.engine.grammars.shutdown()
         self.engine.core.shutdown()
 
     def __enter__(self) -> "LLM":

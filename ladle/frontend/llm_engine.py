@@ -1,6 +1,7 @@
 """The offline frontend: tokenizer + EngineCore + OutputProcessor, stepped by the caller."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ladle.config import EngineArgs
@@ -9,7 +10,8 @@ from ladle.frontend.output_processor import OutputProcessor
 from ladle.outputs import RequestOutput
 from ladle.request import Request
 from ladle.sampling_params import SamplingParams
-from ladle.structured_output.grammar import GrammarChecker
+from ladle.structured_output.checker import GrammarChecker
+from ladle.structured_output.matcher import GrammarError, tokenizer_spec
 from ladle.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]
@@ -44,6 +46,10 @@ class LLMEngine:
         """The core requests for one user request (n of them for n > 1), checked so that they can run (a
         structured-output constraint that does not compile raises InvalidStructuredOutput, a ValueError)."""
         if params.structured_outputs is not None:
+            if not self.grammars.sandbox.has_tokenizer:
+                with contextlib.suppress(GrammarError):  # the engine fails such a request, saying why
+                    self.grammars.set_tokenizer(tokenizer_spec(self.tokenizer, self.core.hf_config.vocab_size,
+                                                               sorted(self.core.eos_token_ids)))
             self.grammars.check(params.structured_outputs)
         return self.core.make_requests(request_id, [prompt_token_ids], params, checkpoint_marks)
 

@@ -17,6 +17,7 @@ class EngineInfo:
     vocab_size: int
     config_table: str
     checkpointing: bool = False  # prefix hits need state checkpoints: chat prompts' message ends are worth marking
+    eos_token_ids: tuple[int, ...] = ()  # what the engine's grammar matchers allow where a grammar is complete
 
 
 # API -> engine

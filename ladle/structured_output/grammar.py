@@ -1,4 +1,4 @@
-"""A request's structured-output constraint as an llguidance grammar, checked before the request is queued.
+"""A request's structured-output constraint as an llguidance grammar.
 
 llguidance (Rust, no dependencies) compiles JSON schemas, regexes, Lark and GBNF grammars into matchers that
 fill a token bitmask per step. Its JSON compiler refuses schema keywords it does not implement instead of
@@ -7,8 +7,6 @@ dropping them, so a schema ladle accepts is a schema it enforces whole.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from ladle.sampling_params import StructuredOutputsParams
@@ -29,7 +27,8 @@ class InvalidStructuredOutput(ValueError):
 
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) that spec describes; raises InvalidStructuredOutput when the
-    spec itself is malformed (a schema that is not JSON). It is not compiled here: see check_grammar."""
+    spec itself is malformed (a schema that is not JSON). It is not compiled here: see
+    ladle.structured_output.checker."""
     import llguidance
 
     kind = spec.kind
@@ -60,35 +59,6 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", spec.grammar or "")
     except (ValueError, RuntimeError) as e:  # a GBNF text its converter cannot read, say
         raise InvalidStructuredOutput(field, str(e)) from None
-
-
-class GrammarChecker:
-    """Validates constraints before their requests are queued, remembering the last `size` grammars that
-    passed (a batch of prompts with one schema is checked once)."""
-
-    def __init__(self, size: int = 256) -> None:
-        self._valid: OrderedDict[str, None] = OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()  # the server checks on several tokenizer threads
-
-    def check(self, spec: StructuredOutputsParams) -> str:
-        """grammar_of(spec), validated by llguidance's compiler (without a tokenizer: milliseconds, bounded by
-        its parser limits); raises InvalidStructuredOutput with the compiler's message."""
-        import llguidance
-
-        grammar = grammar_of(spec)
-        with self._lock:
-            if grammar in self._valid:
-                self._valid.move_to_end(grammar)
-                return grammar
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise InvalidStructuredOutput(f"structured_outputs.{spec.kind}", error.strip())
-        with self._lock:
-            self._valid[grammar] = None
-            if len(self._valid) > self._size:
-                self._valid.popitem(last=False)
-        return grammar
 
 
 _VALUES = ("const", "enum", "default", "examples")  # keywords whose values are JSON values, not schemas

@@ -18,6 +18,7 @@ import numpy as np
 
 from ladle.sampling_params import StructuredOutputsParams
 from ladle.structured_output.grammar import InvalidStructuredOutput, grammar_of
+from ladle.structured_output.matcher import GrammarError, compile_matcher, lltokenizer, tokenizer_spec
 from ladle.structured_output.think_gate import Gate, ThinkGate
 from ladle.tokenizer import load_tokenizer
 
@@ -25,38 +26,11 @@ DEFAULT_CACHE_SIZE = 64  # pristine matchers kept (each holds its lexer: kilobyt
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
 
-def llguidance_tokenizer(hf: Any, vocab_size: int, eos: list[int]) -> Any:
-    """llguidance's tokenizer for a fast HF tokenizer. llguidance reads every added token as special (a grammar's
-    text never matches it), but a plain added token (special: false, as Qwen's <tool_call> and <think> are) is
-    text the model writes: it joins the BPE vocabulary here, so a grammar's "<tool_call>" matches it."""
-    import copy
-    import json
-
-    import llguidance
-
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:
-        raise GrammarError("structured outputs need a fast tokenizer (tokenizer.json)")
-    backend = copy.copy(backend)
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-    if spec.get("model", {}).get("type") == "BPE":
-        plain = [t for t in spec.get("added_tokens", []) if not t.get("special")]
-        spec["model"]["vocab"].update({t["content"]: t["id"] for t in plain})
-        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
-    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos or None)
-
-
 def _set_bit(row: np.ndarray, token_id: int, value: bool) -> None:
     word, bit = divmod(token_id, 32)
     if word < row.shape[0]:
         u = row.view(np.uint32)
         u[word] = u[word] | np.uint32(1 << bit) if value else u[word] & np.uint32(~(1 << bit) & 0xFFFFFFFF)
-
-
-class GrammarError(RuntimeError):
-    """llguidance could not build a matcher for a grammar (its message says why)."""
 
 
 class StructuredOutputManager:
@@ -222,22 +196,11 @@ class StructuredOutputManager:
 
     @staticmethod
     def _matcher(tokenizer: Any, grammar: str) -> Any:
-        import llguidance
-
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        probe = matcher.deep_copy()  # a grammar no text can start (a regex matching nothing) fails at its first mask
-        probe.compute_bitmask()
-        for m in (matcher, probe):
-            if m.is_error():
-                raise GrammarError(m.get_error().strip().splitlines()[0])
-        return matcher
+        return compile_matcher(tokenizer, grammar)
 
     def _tokenizer(self) -> Any:
         """llguidance's view of the checkpoint's tokenizer, built once (about 2 s at a 150K vocabulary)."""
         if self._lltokenizer is None:
             hf = load_tokenizer(self._tokenizer_path)
-            if len(hf) > self.vocab_size:
-                raise GrammarError(f"the tokenizer has {len(hf)} tokens, more than the model's {self.vocab_size} "
-                                   "logits: structured outputs cannot map its tokens")
-            self._lltokenizer = llguidance_tokenizer(hf, self.vocab_size, self._eos)
+            self._lltokenizer = lltokenizer(tokenizer_spec(hf, self.vocab_size, self._eos))
         return self._lltokenizer

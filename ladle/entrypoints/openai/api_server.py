@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import logging
 import os
@@ -22,6 +23,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 import uvicorn
+
+from ladle.entrypoints.openai.api_supervisor import ApiSupervisor, engine_handoff, inherited_socket
 
 if TYPE_CHECKING:
     from ladle.entrypoints.openai.app import ServerState
@@ -60,7 +63,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     supervision = SupervisorConfig(
         max_consecutive_failures=args.engine_max_failures, restart_backoff_s=args.engine_restart_backoff,
         max_backoff_s=args.engine_max_backoff, startup_timeout_s=args.engine_startup_timeout,
-        hang_timeout_s=args.engine_hang_timeout, max_queue_len=args.max_queue_len,
+        hang_timeout_s=args.engine_hang_timeout, max_queue_len=args.max_queue_len, engine_handoff=engine_handoff(),
     )
     client = AsyncEngineClient(engine_args, explicit, supervision, args.log_level, on_snapshot=metrics.on_snapshot)
     client.prestart()  # the engine imports and loads while this process imports the server's libraries
@@ -71,6 +74,7 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     from ladle.entrypoints.openai.serving_chat import chat_template_problem
     from ladle.entrypoints.openai.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
+    from ladle.structured_output.checker import GrammarChecker
     from ladle.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(engine_args.tokenizer or model)
@@ -83,7 +87,8 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
                                  args.chat_template, architecture(model),
                                  args.structured_outputs_enable_in_reasoning)
     logger.info("chat settings:\n%s", chat.report())
-    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits, chat)
+    ctx = ServingContext(client, tokenizer, TokenizerPool(tokenizer), metrics, name, limits, chat,
+                         grammars=GrammarChecker(workers=args.grammar_workers, timeout_s=args.grammar_compile_timeout))
     return ServerState(ctx, EdgeLimits(args.api_key, args.max_request_body_bytes, args.timeout_request_body))
 
 
@@ -93,9 +98,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_serve_flags(args)
     guard, connections = http_guard(args)
-    # Bound and listening before anything loads (FastAPI alone takes 0.8 s to import): a second server on the
-    # same port fails here, at once.
-    sock = _listen(args.host, args.port)
+    sock = inherited_socket()
+    if sock is None:
+        # Bound and listening before anything loads (FastAPI alone takes 0.8 s to import): a second server on
+        # the same port fails here, at once. This process keeps it and runs the API process beneath.
+        return ApiSupervisor(_listen(args.host, args.port), sys.orig_argv).run()
+    faulthandler.enable()  # a native crash leaves its Python stack in the log before the supervisor restarts us
     from ladle.entrypoints.openai.app import build_app
 
     # One CPU for this process (HTTP, tokenizing, detokenizing, streaming), unless the threads are set.

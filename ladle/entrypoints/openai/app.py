@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -13,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
+from ladle.entrypoints.openai.api_supervisor import api_restarts
 from ladle.entrypoints.openai.edge import EdgeLimits, EdgeMiddleware, EdgeState
 from ladle.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
@@ -85,6 +87,7 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         await ctx.client.shutdown()
         ctx.pool.shutdown()
+        ctx.grammars.shutdown()
 
     app = FastAPI(title="ladle", summary="OpenAI-compatible server over the ladle engine", lifespan=lifespan)
     app.add_middleware(EdgeMiddleware, limits=state.edge_limits, state=state.edge)
@@ -165,7 +168,8 @@ def build_app(state: ServerState) -> FastAPI:
         """200 when the engine process is up and answers a ping (status "busy" while one long step runs);
         503 with the reason when it is not."""
         client = ctx.client
-        body = HealthResponse(status="ok", engine_state=client.state.value, engine_pid=client.engine_pid,
+        body = HealthResponse(status="ok", engine_state=client.state.value, api_pid=os.getpid(),
+                              api_restarts=api_restarts(), engine_pid=client.engine_pid,
                               engine_restarts=client.num_restarts, last_failure=client.failure_reason,
                               num_requests_in_flight=client.num_in_flight)
         if state.draining:

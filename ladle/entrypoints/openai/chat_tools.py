@@ -9,6 +9,7 @@ from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.protocol_base import OpenAIError
 from ladle.entrypoints.openai.tool_parsers.base import Tools, UnsupportedSchema
 from ladle.sampling_params import SamplingParams, StructuredOutputsParams, ThinkTags
+from ladle.structured_output.limits import ConstraintTooLarge, GrammarLimits, check_schema
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,20 @@ def tool_plan(req: Any, settings: ChatSettings) -> ToolPlan:
 
 
 def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured: StructuredOutputsParams | None,
-              param: str) -> tuple[StructuredOutputsParams | None, str]:
+              param: str, limits: GrammarLimits) -> tuple[StructuredOutputsParams | None, str]:
     """The request's constraint: a forced call's grammar for "required" or a named function (which then may not
-    be combined with response_format or structured_outputs)."""
+    be combined with response_format or structured_outputs); each tool's schema within limits."""
     if plan.choice in ("required", "function"):
         if structured is not None:
             raise OpenAIError(400, f"tool_choice {plan.choice!r} forces a tool call, so {param} cannot also "
                               "constrain the output; send one", code="invalid_value", param="tool_choice")
         assert settings.tool_format is not None
         tools = plan.tools if plan.function is None else {plan.function: plan.tools[plan.function]}
+        for name, schema in tools.items():  # bounded before the grammar holds them (ladle.structured_output.limits)
+            try:
+                check_schema(schema, f"the parameters of tool {name!r}", limits)
+            except ConstraintTooLarge as e:
+                raise OpenAIError(400, str(e), code="invalid_value", param="tools") from None
         try:
             grammar = settings.tool_format.grammar(tools, parallel and plan.function is None)
         except UnsupportedSchema as e:

@@ -230,6 +230,8 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "busy", "unhealthy", "draining"]
     reason: str | None = None
     engine_state: str
+    api_pid: int  # the API process answering (ladle serve's outer process restarts it if it dies)
+    api_restarts: int = 0
     engine_pid: int | None = None
     engine_restarts: int = 0
     last_failure: str | None = None

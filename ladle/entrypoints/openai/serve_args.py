@@ -67,6 +67,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-enable-in-reasoning", action="store_true",
                    help="a structured-output constraint holds from the first token, thinking included (the grammar "
                         "spells the thinking block); by default it waits for the thinking block's end")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds one structured-output constraint (a schema, grammar or forced tool call) may take "
+                        "to compile in the grammar sandbox; past them its worker is killed and the request gets a "
+                        "400 (default 10)")
+    p.add_argument("--grammar-workers", type=int, default=2,
+                   help="processes compiling clients' constraints before they are queued, a crash costing one "
+                        "request (default 2)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
     add_engine_flags(p)
@@ -110,6 +117,8 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     _positive("--max-stop-chars", args.max_stop_chars)
     _positive("--max-logprobs-per-request", args.max_logprobs_per_request)
     _positive("--timeout-request-body", args.timeout_request_body)
+    _positive("--grammar-compile-timeout", args.grammar_compile_timeout)
+    _positive("--grammar-workers", args.grammar_workers)
     _positive("--engine-max-backoff", args.engine_max_backoff)
     if args.api_key is not None:
         args.api_key = _api_key(args.api_key)

@@ -22,7 +22,7 @@ from ladle.frontend.message_marks import LAST_MESSAGES
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
-    SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
+    SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
 )
 
 
@@ -71,16 +71,18 @@ class OpenAIServingChat:
         self.think = reasoning.think_tags(ctx.tokenizer) if reasoning is not None else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
-        chat = await self.prepare(req, "chatcmpl")
+        chat = await self.prepare(req, "chatcmpl", client=client_of(raw_request))
         stream, plan, thinking = chat.stream, chat.plan, chat.thinking
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(stream, self._stream(stream, top_n, include_usage, plan, thinking),
                              lambda: self._response(stream, top_n, plan, thinking), bool(req.stream), raw_request)
 
-    async def prepare(self, req: ChatCompletionRequest, id_prefix: str, count_only: bool = False) -> PreparedChat:
+    async def prepare(self, req: ChatCompletionRequest, id_prefix: str, count_only: bool = False,
+                      client: str = "") -> PreparedChat:
         """Everything a chat request needs before its answer is written (the other APIs that speak chat, the
-        Anthropic Messages API, share it): checked, constrained, rendered and, unless count_only, submitted."""
+        Anthropic Messages API, share it): checked, constrained, rendered and, unless count_only, submitted;
+        client: the peer, whose turn its grammar compile takes."""
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         self.ctx.check_choices(1, req.n)
@@ -88,10 +90,11 @@ class OpenAIServingChat:
         plan = tool_plan(req, settings)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         structured, param = structured_outputs_of(req)
-        structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param)
+        structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param,
+                                      self.ctx.grammars.limits)
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, structured)
         self.ctx.check_stop(params.stop)
-        await self.ctx.check_structured(params, param)
+        await self.ctx.check_structured(params, param, client)
         if not count_only:
             self.ctx.vocab_size()  # 503 before any work while no engine is ready
         prompt = chat_prompt(req, settings.chat_template)

@@ -15,7 +15,7 @@ from ladle.entrypoints.openai.generation_stream import (
 )
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
-    SSE_DONE, ServingContext, respond, sampling_params, sse, sse_error, with_choices,
+    SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
 )
 
 Prompt = str | list[int]
@@ -70,7 +70,7 @@ class OpenAIServingCompletion:
         structured, param = structured_outputs_of(req)
         params = sampling_params(req, req.max_tokens, req.logprobs, structured)
         self.ctx.check_stop(params.stop)
-        await self.ctx.check_structured(params, param)
+        await self.ctx.check_structured(params, param, client_of(raw_request))
         vocab = self.ctx.vocab_size()
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         ids, echo = await self.ctx.pool.run(lambda tok: _tokenize(tok, prompts, vocab, req.echo), chars)

@@ -17,7 +17,10 @@ from ladle.entrypoints.openai.metrics import ServerMetrics
 from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, clip, internal_error
 from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams, StructuredOutputsParams
-from ladle.structured_output.grammar import GrammarChecker, InvalidStructuredOutput
+from ladle.structured_output.checker import GrammarChecker
+from ladle.structured_output.grammar import InvalidStructuredOutput
+from ladle.structured_output.matcher import GrammarError, tokenizer_spec
+from ladle.structured_output.sandbox import SandboxBusy
 
 
 T = TypeVar("T")
@@ -94,17 +97,27 @@ class ServingContext:
                               "(--max-choices-per-request)", code="invalid_value", param="n")
 
 
-    async def check_structured(self, params: SamplingParams, param: str) -> None:
-        """A structured-output constraint is compiled (without the vocabulary) on a tokenizer thread before the
-        request is queued, so a schema or grammar that cannot be enforced is a 400 naming the field."""
+    async def check_structured(self, params: SamplingParams, param: str, client: str = "") -> None:
+        """A structured-output constraint is compiled in the grammar sandbox (as the engine will compile it, once
+        the engine is ready) before the request is queued, so one that cannot be enforced, or that crashes or
+        outlasts the compiler, is a 400 naming the field; client: whose compile slot turn it takes."""
         spec = params.structured_outputs
         if spec is None:
             return
+        info = self.client.info
+        if info is not None and not self.grammars.sandbox.has_tokenizer:
+            try:
+                tok = await self.pool.run(lambda t: tokenizer_spec(t, info.vocab_size, info.eos_token_ids))
+                self.grammars.set_tokenizer(tok)
+            except GrammarError:
+                pass  # the engine fails such a request with the same reason
         try:
-            await self.pool.run(lambda _: self.grammars.check(spec))
+            await asyncio.wrap_future(self.grammars.submit(spec, client))
         except InvalidStructuredOutput as e:
             param = e.field if param == "structured_outputs" else param  # the object's own field
             raise OpenAIError(400, f"{param}: {clip(e.message, 2000)}", code="invalid_value", param=param) from None
+        except SandboxBusy as e:
+            raise OpenAIError(503, str(e), code="server_busy") from None
 
     def check_stop(self, stop: list[str]) -> None:
         """Stop strings are matched on the event loop: bounded in count and size, so no request can hold it."""
@@ -132,6 +145,12 @@ class ServingContext:
                               f"{params.logprobs + 1} logprobs asks for {entries} logprob entries; this server "
                               f"allows at most {limit} per request (--max-logprobs-per-request): lower n, "
                               f"max_tokens or the logprobs asked for", code="invalid_value", param=param)
+
+
+def client_of(raw_request: Request | None) -> str:
+    """Whose turn a request's grammar compile takes (the peer's address; "" when unknown)."""
+    peer = raw_request.client if raw_request is not None else None
+    return peer.host if peer is not None else ""
 
 
 def sse(payload: str) -> str:

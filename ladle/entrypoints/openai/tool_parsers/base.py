@@ -79,7 +79,7 @@ class ToolFormat(ABC):
         """A Lark grammar (llguidance) whose every output is one call (several with parallel) of these tools in
         this format, with arguments valid against each schema: tool_choice "required" or a named function. Tags
         are spelled as text: a tag the tokenizer has as one plain added token matches that token (see
-        ladle.structured_output.manager.llguidance_tokenizer). UnsupportedSchema where the format cannot hold a
+        ladle.structured_output.matcher.tokenizer_spec). UnsupportedSchema where the format cannot hold a
         call to a schema."""
 
 

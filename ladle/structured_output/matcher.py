@@ -1,0 +1,62 @@
+"""Building llguidance matchers: the tokenizer as llguidance sees it, and a grammar's matcher checked at its first
+mask. The engine and the sandbox's workers build both the same way, so a grammar that compiled in a worker
+compiles in the engine (the crash or the cost a worker met, the engine would have met)."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class GrammarError(RuntimeError):
+    """llguidance could not build a matcher for a grammar (its message says why)."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What llguidance needs of a tokenizer, as plain data a worker process can be sent."""
+    json: str  # tokenizer.json's text, plain added tokens moved into the BPE vocabulary (see tokenizer_spec)
+    n_vocab: int  # the logits' width
+    eos: tuple[int, ...]
+
+
+def tokenizer_spec(hf: Any, vocab_size: int, eos: list[int] | tuple[int, ...]) -> TokenizerSpec:
+    """llguidance's view of a fast HF tokenizer. llguidance reads every added token as special (a grammar's text
+    never matches it), but a plain added token (special: false, as Qwen's <tool_call> and <think> are) is text
+    the model writes: it joins the BPE vocabulary here, so a grammar's "<tool_call>" matches it."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError("structured outputs need a fast tokenizer (tokenizer.json)")
+    if len(hf) > vocab_size:
+        raise GrammarError(f"the tokenizer has {len(hf)} tokens, more than the model's {vocab_size} logits: "
+                           "structured outputs cannot map its tokens")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    if spec.get("model", {}).get("type") == "BPE":
+        plain = [t for t in spec.get("added_tokens", []) if not t.get("special")]
+        spec["model"]["vocab"].update({t["content"]: t["id"] for t in plain})
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
+    return TokenizerSpec(json.dumps(spec), vocab_size, tuple(eos))
+
+
+def lltokenizer(spec: TokenizerSpec) -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(spec.json, n_vocab=spec.n_vocab, eos_token=list(spec.eos) or None)
+
+
+def compile_matcher(tokenizer: Any, grammar: str) -> Any:
+    """The pristine matcher of grammar; raises GrammarError where it cannot be built, or where no text can start
+    it (a regex matching nothing fails only at its first mask, so a probe computes one)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    for m in (matcher, probe):
+        if m.is_error():
+            raise GrammarError(m.get_error().strip().splitlines()[0])
+    return matcher
