@@ -103,13 +103,16 @@ class ServerProcess:
         return httpx.post(self.base_url + path, json=body, timeout=timeout, headers=self.headers)
 
     def rss_mib(self) -> float:
-        """Resident memory of the API process (not the engine's)."""
-        assert self.proc is not None
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        """Resident memory of the API process (not the engine's, nor its supervisor's)."""
+        status = Path(f"/proc/{self.api_pid()}/status").read_text()
         return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
     def engine_pid(self) -> int:
         return self.health()[1]["engine_pid"]
+
+    def api_pid(self) -> int:
+        """The API process (self.proc is `ladle serve`'s outer process, which restarts it)."""
+        return self.health()[1]["api_pid"]
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL (the engine too) if it does not exit in time; returns the exit code."""

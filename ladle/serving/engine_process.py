@@ -30,6 +30,7 @@ from ladle.config import EngineArgs
 from ladle.startup.cpu_lending import WINDOW_S
 from ladle.engine.core_output import EngineSnapshot
 from ladle.request import RequestRejected
+from ladle.serving import engine_handoff
 from ladle.serving.messages import (
     AbortRequests, Added, AddRequest, EngineInfo, Fatal, FromEngine, Outputs, Ping, Pong, Ready, Rejected, Shutdown,
     StartupFailed, ToEngine,
@@ -38,6 +39,7 @@ from ladle.serving.messages import (
 logger = logging.getLogger("ladle.engine_process")
 
 _MAX_MESSAGES_PER_STEP = 256
+_MAX_DRAIN_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -164,13 +166,19 @@ class EngineLoop:
 
 
 def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connection,
-                       max_queue_len: int | None, log_level: str) -> None:
-    """Entry point of the spawned engine process."""
+                       max_queue_len: int | None, log_level: str,
+                       handoff: engine_handoff.Handoff | None = None) -> None:
+    """Entry point of the spawned engine process. handoff: where it waits for the next API process when this
+    one goes away (ladle.serving.engine_handoff); without it, the engine exits with its API process."""
     # Ctrl-C, or a closed terminal's SIGHUP, signals the whole process group; the API process owns shutdown
     # (it drains), so the engine ignores them and stops when told (or when the pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s[engine]: %(message)s")
+    listener = None
+    if handoff is not None:
+        os.setsid()  # out of the API process's group, which its supervisor kills when the API process dies
+        listener = engine_handoff.listen(handoff.path)
     try:
         from ladle.startup.allocator import tune_malloc
         from ladle.engine.core import EngineCore
@@ -186,17 +194,46 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         os._exit(1)
     core.model_executor.on_failure(_exit_on_rank_death)
     cfg = core.config
-    conn.send(Ready(EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size,
-                               core.hf_config.vocab_size, cfg.table(), core.kv.checkpointing)))
-    try:
-        EngineLoop(core, conn, max_queue_len).run()
-        core.shutdown()
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        logger.warning("the API process went away; the engine process exits")
-    except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
-        logger.error("engine loop failed:\n%s", traceback.format_exc())
-        _send_quietly(conn, Fatal(f"{type(e).__name__}: {e}"))
-        os._exit(1)
+    info = EngineInfo(os.getpid(), cfg.max_model_len, cfg.num_kv_blocks, cfg.block_size, core.hf_config.vocab_size,
+                      cfg.table(), core.kv.checkpointing, tuple(sorted(core.eos_token_ids)))
+    while True:
+        try:
+            conn.send(Ready(info))  # again to each API process that adopts it
+            EngineLoop(core, conn, max_queue_len).run()
+            core.shutdown()
+            return
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            if listener is None:
+                logger.warning("the API process went away; the engine process exits")
+                return
+        except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
+            logger.error("engine loop failed:\n%s", traceback.format_exc())
+            _send_quietly(conn, Fatal(f"{type(e).__name__}: {e}"))
+            os._exit(1)
+        conn.close()
+        num_aborted = _abort_everything(core)
+        logger.warning("the API process went away; its %d requests aborted; waiting up to %g s for the next one",
+                       num_aborted, engine_handoff.ADOPT_WAIT_S)
+        adopted = engine_handoff.accept(listener, handoff, engine_handoff.ADOPT_WAIT_S)
+        if adopted is None:
+            logger.warning("no API process came for this engine within %g s; the engine process exits",
+                           engine_handoff.ADOPT_WAIT_S)
+            core.shutdown()
+            return
+        conn = adopted
+        logger.info("a new API process adopted this engine")
+
+
+def _abort_everything(core: Any) -> int:
+    """The dead API process's requests, ended and their KV freed (a step launched ahead is run out first, as
+    after any abort); how many there were."""
+    ids = list(core.scheduler.requests)
+    core.abort_requests(ids)
+    for _ in range(_MAX_DRAIN_STEPS):
+        if not core.has_unfinished_requests():
+            break
+        core.step()
+    return len(ids)
 
 
 def _exit_on_rank_death(reason: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ladle.config import EngineArgs
+from ladle.serving.engine_handoff import AdoptedProcess, Handoff, adopt
 from ladle.serving.engine_process import run_engine_process
 from ladle.serving.messages import EngineInfo, Fatal, FromEngine, Ready, Shutdown, StartupFailed, ToEngine
 
@@ -43,6 +44,9 @@ class SupervisorConfig:
     hang_timeout_s: float = 300.0  # an engine silent this long to pings is killed (no step is this long)
     watchdog_interval_s: float = 5.0
     max_queue_len: int | None = None
+    # Where an engine waits to be adopted when this API process dies, and where this one looks for such an
+    # engine before starting its own (ladle.serving.engine_handoff); None: the engine dies with this process.
+    engine_handoff: Handoff | None = None
 
 
 class EngineProcess:
@@ -195,15 +199,25 @@ class EngineSupervisor:
 
     def prestart(self) -> None:
         """Start the first engine process now, before the event loop runs, so it imports and loads while the
-        API process is still importing; the supervisor adopts it as its first generation."""
-        self._early = self._start_process()
+        API process is still importing; the supervisor takes it as its first generation. Where a dead API
+        process left an engine waiting (config.engine_handoff), that engine is the first generation instead."""
+        self._early = self._adopt() or self._start_process()
+
+    def _adopt(self) -> tuple[Any, Any] | None:
+        handoff = self.config.engine_handoff
+        found = adopt(handoff.path) if handoff is not None else None
+        if found is None:
+            return None
+        conn, pid = found
+        logger.warning("adopting engine process %d, left by the API process before this one", pid)
+        return AdoptedProcess(pid), conn
 
     def _start_process(self) -> tuple[Any, Any]:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited locks, CUDA-safe
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(target=run_engine_process, name="ladle-engine", daemon=True,
                               args=(self.args, self.explicit, child_conn, self.config.max_queue_len,
-                                    self.log_level))
+                                    self.log_level, self.config.engine_handoff))
         process.start()
         child_conn.close()  # else our copy keeps the pipe open and the child's death never reads as EOF
         return process, parent_conn
