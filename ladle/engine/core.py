@@ -23,6 +23,7 @@ from ladle.engine.stats import EngineStats, StepRecord
 from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
 from ladle.engine.structured_step import with_bitmasks
+from ladle.experts.expert_files import ExpertFileError
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus, child_request_ids
 from ladle.sampling_params import SamplingParams
@@ -224,6 +225,11 @@ class EngineCore:
             if self.config.device.type == "cuda":
                 torch.cuda.empty_cache()
             return None
+        except ExpertFileError:
+            # The synchronous path's retries end only the requests routed to the expert (a model with state layers,
+            # which a launch cannot take back, refuses async_scheduling with a file tier).
+            logger.warning("a tiered expert could not be read launching a step; it runs synchronously")
+            return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
@@ -251,14 +257,16 @@ class EngineCore:
         req = self.scheduler.find(failure.request_id)
         assert req is not None, f"a step failed for {failure.request_id}, which the scheduler does not hold"
         self._forget(req.request_id)
-        return self.scheduler.fail(req, failure.message)
+        return self.scheduler.fail(req, failure.message, failure.code)
 
     def _end_step(self, sched: SchedulerOutput, outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """The tail of every step: count steps that failed for every request in them (raising when that
         happens too often in a row), and when the engine goes idle let the runner forget who finished."""
         if not self.has_unfinished_requests():
             self.model_executor.apply(self.sync.flush())
-        failed = sum(o.finish_reason == "error" for o in outs)
+        # A failure with a known cause (a client's grammar, a tiered expert's changed file) says nothing of whether
+        # the device or the model works: only failures of the engine count.
+        failed = sum(o.finish_reason == "error" and o.error_code is None for o in outs)
         if sched.scheduled and failed == len(sched.scheduled):
             self._failed_steps_in_a_row += 1
             if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:

@@ -19,7 +19,8 @@ class EngineCoreOutput:
     stop_token: bool = False
     error: str | None = None
     # With an error: "invalid_grammar" when the request's own structured-output grammar cannot run (a client
-    # error the server answers with 400), None for a failure of the engine.
+    # error the server answers with 400), "expert_file_changed" when a tiered expert it needs cannot be read as
+    # loaded (the message names the file), None for a failure of the engine.
     error_code: str | None = None
     num_cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache served
     prefill_chunks: list[int] | None = None  # on a request's last output: its prefill chunks' sizes, in order

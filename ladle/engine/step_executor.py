@@ -3,7 +3,9 @@
 - Out of memory: the step runs again with half its tokens (not below one block), then its first request
   alone. The KV of a retried step lands in the same slots, so nothing is lost and no output changes.
 - Any other exception: the step is split in halves and each half runs, recursively, so only a request that
-  fails alone is ended; the others get the outputs they would have got without it.
+  fails alone is ended; the others get the outputs they would have got without it. A tiered expert whose file
+  changed since load (ExpertFileError) is isolated so too: the requests routed to it end with its message, which
+  names the file and the expert, and as its cause is known such failures never count toward ending the engine.
 - A seeded request's draw is a function of its seed and the position drawn (ladle.runner.sampling_batch), so
   a retried step draws what the first attempt would have.
 - Models with a per-request state (Gated DeltaNet) advance it in place, so a step that failed after its
@@ -26,12 +28,14 @@ import torch
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
 from ladle.executor.executor import Executor, FatalStepError
+from ladle.experts.expert_files import ExpertFileError
 from ladle.runner.model_runner import SampledToken
 from ladle.runner.payload import ChunkSpec
 
 logger = logging.getLogger("ladle")
 
 _OOM = (torch.OutOfMemoryError, MemoryError)
+EXPERT_FILE_CODE = "expert_file_changed"  # EngineCoreOutput.error_code of a request failed by an ExpertFileError
 
 
 def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
@@ -44,7 +48,8 @@ def chunk_specs(sched: SchedulerOutput) -> list[ChunkSpec]:
 @dataclass(frozen=True)
 class RequestFailure:
     request_id: str
-    message: str  # for the client: no exception text (the log has it, under the request id)
+    message: str  # for the client: no exception text (the log has it, under the request id) but an ExpertFileError's
+    code: str | None = None  # EngineCoreOutput.error_code: None for a failure of the engine
 
 
 @dataclass
@@ -150,6 +155,10 @@ class StepExecutor:
     @staticmethod
     def _failure(s: ScheduledRequest, error: Exception) -> RequestFailure:
         rid = s.request.request_id
+        if isinstance(error, ExpertFileError):
+            # Its message is written for the client, and the file's failure was logged in full once already.
+            logger.warning("request %s needs a tiered expert that cannot be read; ending it", rid)
+            return RequestFailure(rid, f"request {rid} was ended: {error}", EXPERT_FILE_CODE)
         logger.error("request %s fails alone in a step (%d tokens from position %d); ending it", rid,
                      s.num_new_tokens, s.start_pos, exc_info=error)
         return RequestFailure(rid, f"the engine failed running request {rid} ({type(error).__name__}); it was "

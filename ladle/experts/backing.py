@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 from dataclasses import dataclass
 
 import torch
+
+from ladle.experts.expert_files import ExpertFiles
 
 # safetensors dtype names -> torch
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -88,19 +89,15 @@ class FilePart:
 
 
 class FileBacking:
-    """A layer's experts read from the checkpoint files when needed: each expert's parts, in file order. Reads
-    go straight into the destination where its dtype is the file's and it is host memory (os.preadv: no
-    mapping is left behind, so the file's pages count toward the page cache, not this process)."""
+    """A layer's experts read from the checkpoint files when needed: each expert's parts, in file order, each
+    checked against what load found (ladle.experts.expert_files). Reads go straight into the destination where its
+    dtype is the file's and it is host memory (os.preadv: no mapping is left behind, so the file's pages count
+    toward the page cache, not this process)."""
 
-    def __init__(self, parts: list[list[FilePart]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.parts, self.shapes = parts, shapes
+    def __init__(self, parts: list[list[FilePart]], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 files: ExpertFiles, layer: str) -> None:
+        self.parts, self.shapes, self.files, self.layer = parts, shapes, files, layer
         self.nbytes = sum(p.location.nbytes for expert in parts for p in expert)
-        self._fds: dict[str, int] = {}  # open as long as the model lives, as a mapping would be
-
-    def _fd(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
 
     def expert(self, expert: int) -> dict[str, torch.Tensor]:
         """The expert read into fresh host tensors (its bytes are not kept)."""
@@ -116,11 +113,7 @@ class FileBacking:
             target = dest[part.name][part.row: part.row + rows]
             direct = target.device.type == "cpu" and target.dtype == loc.dtype and target.is_contiguous()
             buf = target if direct else torch.empty(loc.shape, dtype=loc.dtype)
-            view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
-            got = os.preadv(self._fd(loc.path), [view], loc.offset)
-            if got != loc.nbytes:
-                raise OSError(f"{loc.path}: read {got} of {loc.nbytes} bytes of an expert at offset {loc.offset} "
-                              "(the file is truncated)")
+            self.files.read(loc, memoryview(buf.view(torch.uint8).numpy()).cast("B"), self.layer, expert)
             if not direct:
                 copy_values(target, buf.reshape(target.shape))
             total += loc.nbytes

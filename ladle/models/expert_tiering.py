@@ -1,7 +1,8 @@
 """Tiering a MoE model's routed experts at load, on meta, before any storage exists: each FusedMoE's stacked
 expert tensors leave the module for a backing tier (host tensors the loader fills, or the checkpoint files'
-locations, never read at load), and one ExpertCache of device slots, shared by every MoE layer, joins the model
-as buffers (so the weights the plan counts are what the device holds)."""
+locations, each expert read once now for the checksum its later reads are checked against), and one ExpertCache
+of device slots, shared by every MoE layer, joins the model as buffers (so the weights the plan counts are what
+the device holds)."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ from torch import nn
 
 from ladle.experts.backing import FileBacking, FilePart, HostBacking, compatible, tensor_locations
 from ladle.experts.cache import ExpertCache
+from ladle.experts.expert_files import ExpertFiles
 from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
@@ -70,12 +72,14 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
     stacks = {prefix: {n: getattr(m, n) for n in m.expert_names()} for prefix, m in layers}
     parts, skip = (_file_parts(model, stacks, shapes, files, renames) if tiering.backing == "mmap"
                    else ({}, set()))
+    expert_files = ExpertFiles(p.location for by_expert in parts.values() for mine in by_expert.values() for p in mine)
     pin = device.type == "cuda"
     for layer, (prefix, m) in enumerate(layers):
         for name in m.expert_names():
             delattr(m, name)
         if tiering.backing == "mmap":
-            backing: Any = FileBacking(_complete(prefix, parts.get(prefix, {}), m.num_experts, shapes), shapes)
+            backing: Any = FileBacking(_complete(prefix, parts.get(prefix, {}), m.num_experts, shapes), shapes,
+                                       expert_files, prefix)
         else:
             backing = HostBacking({n: torch.empty((m.num_experts, *s), dtype=d, pin_memory=pin)
                                    for n, (s, d) in shapes.items()})

@@ -19,7 +19,7 @@ from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_
 from ladle.startup import profile_cache
 from ladle.speculative_config import parse_speculative_config
 from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
-from ladle.startup.expert_tiers import calibrate_tiers, tiered_line, tiering_resolver
+from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
@@ -214,6 +214,10 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         graph_batch = _graph_limit(prov, graph_batch, "tiered experts: a step fetches the experts its tokens route "
                                    "to, which a graph cannot replay")
     async_scheduling = bool(args.async_scheduling)
+    if async_scheduling and layout.state_groups and tiered_bytes(model)[1]:
+        raise ValueError("async_scheduling cannot be used with moe_backing mmap on a model with state layers yet: a "
+                         "step launched ahead that finds an expert's file changed cannot be taken back (its state "
+                         "layers already ran); drop async_scheduling or use moe_backing host")
     if tp.world_size > 1:
         graph_batch, async_scheduling = _tensor_parallel_limits(prov, args, graph_batch)
     if mtp:
