@@ -248,7 +248,7 @@ def main() -> None:
         if r is not None:
             lines += section(r) + notes(name)
     for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("host_overhead", None),
-                        ("server_abuse", None), ("startup", None), ("threads", None), ("dsv4_flash_plan", None),
+                        ("server_abuse", None), ("hostile_corpus", None), ("startup", None), ("threads", None), ("dsv4_flash_plan", None),
                         ("cpu_linear", None), ("cpu_decode_attention", None)):
         path = RESULTS / f"{name}.md"
         if path.exists():

@@ -13,7 +13,8 @@ from ladle.structured_output.limits import ConstraintTooLarge, GrammarLimits
 from ladle.structured_output.sandbox import GrammarSandbox
 
 # Past every bound, so the workers meet what the bounds normally refuse.
-UNBOUNDED = GrammarLimits(max_depth=10**6, max_items=10**7, max_nodes=10**8, max_choices=10**7, max_chars=10**9)
+UNBOUNDED = GrammarLimits(max_depth=10**6, max_items=10**7, max_keys=10**7, max_nodes=10**8, max_choices=10**7,
+                          max_chars=10**9)
 
 
 def required(n: int) -> SO:
@@ -30,12 +31,14 @@ def nested(depth: int) -> dict:
 
 
 @pytest.mark.parametrize("spec, bound", [
-    (required(30_000), "4096 in one array or object"),
-    (required(100_000), "4096 in one array or object"),
+    (required(30_000), "1024 in one array"),
+    (required(100_000), "1024 in one array"),
     (SO(json=nested(10_000)), "deeper than 64 levels"),
-    (SO(json={"anyOf": [{"properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}] * 40}),
+    (SO(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}),
+     "256 in one object"),
+    (SO(json={"anyOf": [{"properties": {f"p{i}": {"type": "integer"} for i in range(100)}}] * 1000}),
      "more than 100000 values"),
-    (SO(choice=[f"c{i}" for i in range(100_000)]), "at most 4096"),
+    (SO(choice=[f"c{i}" for i in range(2_100)]), "at most 1024"),
     (SO(regex="a" * (2 << 20)), "at most 1048576"),
 ])
 def test_a_constraint_past_a_bound_is_refused_at_once_naming_it(spec, bound):

@@ -150,3 +150,18 @@ def test_the_c_kernel_masks_exactly_what_the_torch_path_masks(vocab):
     bf16 = logits.bfloat16()  # not fp32: masked in a float32 copy, the caller's tensor untouched
     assert torch.equal(allowed_only(bf16, meta, load()), allowed_only(bf16.float(), meta)) and torch.equal(
         bf16, logits.bfloat16())
+
+
+def test_a_parser_limit_hit_mid_output_is_one_clear_line(manager):
+    """2,100 choices compile and give a first mask, but taking a token leaves llguidance's parser a row of over
+    2,000 items: the request's error says so in one line (GrammarLimits keeps choices below it)."""
+    from ladle.engine.structured_step import advance
+    from ladle.request import Request
+
+    manager.add("big", SO(choice=[f"c{i:06d}" for i in range(2_100)]))
+    assert ready(manager) == []
+    req = Request("big", [1, 2], SamplingParams(structured_outputs=SO(choice=["x"])), 8, frozenset([EOS]))
+    token = min(allowed(manager, "big"))
+    why, done = advance(manager, req, token)
+    assert why is not None and not done
+    assert "Parser Error" in why and "max is 2000" in why and "\n" not in why and len(why) < 300, why

@@ -79,6 +79,9 @@ def advance(grammars: StructuredOutputManager | None, req: Request, token_id: in
     assert grammars is not None
     rid = req.request_id
     if not grammars.accept(rid, token_id):
+        why = grammars.error(rid)
+        if why is not None and "Parser Error" in why:  # the mask allowed it; the parser hit a limit taking it
+            return f"request {rid}: its structured-output grammar failed at token {token_id}: {why}", False
         return (f"request {rid} sampled token {token_id}, which its structured-output grammar does not allow "
-                f"({grammars.error(rid)})"), False
+                f"({why})"), False
     return None, grammars.is_terminated(rid)

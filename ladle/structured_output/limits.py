@@ -3,10 +3,10 @@
 llguidance's compilers recurse in native code: a schema nested 10,000 levels deep, or one whose `required`
 lists 30,000 names, overflows the stack and kills the process (SIGSEGV, three times out of three). Compiling in
 a sandbox process (ladle.structured_output.sandbox) keeps such a crash to one request; these bounds answer the
-shapes known to take the compiler seconds or its stack at once, with a 400 that names the bound, before a
-worker spends anything on them. Every bound sits far above what real schemas use (an agent's 24 tools, a
-country enum) and well below where the compiler slows (5,000 required names compile in 0.2 s, 20,000 in 3.3 s,
-30,000 crash; measured on an AMD EPYC, llguidance 1.9).
+shapes known to take the compiler seconds or its stack, or to fail mid-output, at once, with a 400 that names
+the bound, before a worker spends anything on them. Every bound sits above what real schemas use (an agent's 24
+tools, a country enum) and below where the compiler slows or fails (5,000 required names compile in 0.2 s,
+20,000 in 3.3 s, 30,000 crash; measured on an AMD EPYC, llguidance 1.9).
 """
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ from ladle.structured_output.grammar import InvalidStructuredOutput
 @dataclass(frozen=True)
 class GrammarLimits:
     max_depth: int = 64  # nesting of objects and arrays in a schema (llguidance refuses past 128 itself)
-    max_items: int = 4096  # entries of any one array or object in a schema: required, enum, anyOf, properties
+    # llguidance's Earley parser holds at most 2,000 items in a row and fails the request mid-output past them:
+    # a `choice` or an `anyOf` costs an item per alternative (2,100 fail at the second token), an object about 4
+    # per property (500 properties fail). These keep a margin below that.
+    max_items: int = 1024  # entries of any one array in a schema: required, enum, anyOf
+    max_keys: int = 256  # entries of any one object in a schema: properties, $defs
     max_nodes: int = 100_000  # values in a whole schema
-    max_choices: int = 4096  # strings of a choice constraint
+    max_choices: int = 1024  # strings of a choice constraint
     max_chars: int = 1 << 20  # characters of a regex, a grammar or a choice's strings together
 
 
@@ -47,9 +51,10 @@ def check_schema(schema: Any, field: str, limits: GrammarLimits) -> None:
         if depth > limits.max_depth:
             raise ConstraintTooLarge(field, f"the schema nests deeper than {limits.max_depth} levels (at "
                                      f"{where or '/'}); this server compiles schemas up to that depth")
-        if len(value) > limits.max_items:
+        bound, kind = (limits.max_keys, "object") if isinstance(value, dict) else (limits.max_items, "array")
+        if len(value) > bound:
             raise ConstraintTooLarge(field, f"{where or 'the schema'} has {len(value)} entries; this server "
-                                     f"compiles at most {limits.max_items} in one array or object")
+                                     f"compiles at most {bound} in one {kind}")
         children = value.items() if isinstance(value, dict) else enumerate(value)
         stack.extend((child, depth + 1, f"{where}/{key}") for key, child in children)
 

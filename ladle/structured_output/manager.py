@@ -108,9 +108,14 @@ class StructuredOutputManager:
         return len(self._pending)
 
     def error(self, request_id: str) -> str | None:
-        """Why request_id's matcher broke (a token it could not take), or None."""
+        """Why request_id's matcher broke (a token it could not take, a parser limit), in one line, or None.
+        llguidance's report also dumps its state and the whole grammar: only its error line is kept."""
         m = self._matchers[request_id]
-        return (m.get_error() or "the grammar entered an error state") if m.is_error() else None
+        if not m.is_error():
+            return None
+        lines = [line.strip() for line in (m.get_error() or "").splitlines() if line.strip()]
+        said = next((line.removeprefix("Error:").strip() for line in lines if line.startswith("Error:")), None)
+        return said or (lines[0] if lines else "the grammar entered an error state")
 
     def fill_bitmasks(self, request_ids: list[str]) -> np.ndarray:
         """[len(request_ids), width] int32: bit t of row i (word t // 32, bit t % 32) is set when token t may
