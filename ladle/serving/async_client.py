@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ladle.config import EngineArgs
@@ -216,6 +216,8 @@ class AsyncEngineClient:
             if parent is None:
                 continue  # aborted on our side already
             handle = self._requests[parent]
+            if out.error is not None:  # it reaches the client: a file the engine could not read is named, not placed
+                out = replace(out, error=self._redact(out.error))
             handle.queue.put_nowait(out)
             if out.finish_reason is not None:
                 handle.unfinished.discard(out.request_id)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ladle.sampling_params import StructuredOutputsParams
 from ladle.structured_output.grammar import InvalidStructuredOutput, grammar_of
-from ladle.structured_output.matcher import GrammarError, compile_matcher, lltokenizer, tokenizer_spec
+from ladle.structured_output.matcher import GrammarError, compile_matcher, error_line, lltokenizer, tokenizer_spec
 from ladle.structured_output.think_gate import Gate, ThinkGate
 from ladle.tokenizer import load_tokenizer
 
@@ -111,11 +111,7 @@ class StructuredOutputManager:
         """Why request_id's matcher broke (a token it could not take, a parser limit), in one line, or None.
         llguidance's report also dumps its state and the whole grammar: only its error line is kept."""
         m = self._matchers[request_id]
-        if not m.is_error():
-            return None
-        lines = [line.strip() for line in (m.get_error() or "").splitlines() if line.strip()]
-        said = next((line.removeprefix("Error:").strip() for line in lines if line.startswith("Error:")), None)
-        return said or (lines[0] if lines else "the grammar entered an error state")
+        return error_line(m.get_error()) if m.is_error() else None
 
     def fill_bitmasks(self, request_ids: list[str]) -> np.ndarray:
         """[len(request_ids), width] int32: bit t of row i (word t // 32, bit t % 32) is set when token t may

@@ -58,5 +58,20 @@ def compile_matcher(tokenizer: Any, grammar: str) -> Any:
     probe.compute_bitmask()
     for m in (matcher, probe):
         if m.is_error():
-            raise GrammarError(m.get_error().strip().splitlines()[0])
+            raise GrammarError(error_line(m.get_error()))
     return matcher
+
+
+# llguidance's stop reasons that name no error of their own, said for a client.
+_STOP_REASONS = {"NoExtensionBias": "no token can start it: no text satisfies this grammar"}
+
+
+def error_line(report: str | None) -> str:
+    """A matcher's error in one line. llguidance reports its stop reason, then its state and the whole grammar
+    (megabytes for a big one); the "Error:" line, or the stop reason said plainly, is what a client needs."""
+    lines = [line.strip() for line in (report or "").splitlines() if line.strip()]
+    said = next((line.removeprefix("Error:").strip() for line in lines if line.startswith("Error:")), "None")
+    if said != "None":
+        return said
+    first = lines[0] if lines else ""
+    return _STOP_REASONS.get(first, first or "the grammar entered an error state")
