@@ -28,6 +28,7 @@ class _Request(OpenAIBaseModel):
 
 class _Block(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    cache_control: dict[str, Any] | None = None  # a no-op (field_policy), declared so that it is counted
 
 
 class TextBlock(_Block):
@@ -82,7 +83,7 @@ class AnthropicTool(_Request):
     description: Text | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here; the hint changes nothing
+    cache_control: dict[str, Any] | None = None  # a no-op (field_policy)
 
 
 class AnthropicToolChoice(_Request):
@@ -119,7 +120,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: Metadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: both mean the same
+    service_tier: Literal["auto", "standard_only"] | None = None  # a no-op (field_policy)
 
 
 # ---- responses (documented in the OpenAPI document; the handlers write the JSON themselves) ----

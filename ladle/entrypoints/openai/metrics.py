@@ -78,6 +78,9 @@ class ServerMetrics:
         self.structured_requests = counter("structured_output_requests", "Requests under a structured-output "
                                            "constraint: a schema, regex, choice or grammar, or a forced tool call.")
         self.tool_calls = counter("tool_calls", "Tool calls read from replies by the tool-call parser.")
+        self.no_op_fields = Counter("ladle:no_op_fields", "Request fields taken without effect, by API and field: "
+                                    "hints that cannot change what the model sees or generates (the README's "
+                                    "table).", labelnames=[*labels, "api", "field"], registry=r)
         self.model_name = model_name
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to the first token.",
                                              _LATENCY_BUCKETS)
@@ -114,6 +117,10 @@ class ServerMetrics:
         self.api_requests.labels(model_name=self.model_name, api=api).inc()
         if constrained:
             self.structured_requests.inc()
+
+    def no_ops(self, api: str, fields: list[str]) -> None:
+        for field in fields:
+            self.no_op_fields.labels(model_name=self.model_name, api=api, field=field).inc()
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()

@@ -1,0 +1,64 @@
+"""The no-op request fields (ladle.entrypoints.openai.field_policy): found where a request sets them, found only
+there, and listed in the README's table exactly."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ladle.entrypoints.openai.anthropic_protocol import MessagesRequest
+from ladle.entrypoints.openai.field_policy import NO_OPS, no_op_fields
+from ladle.entrypoints.openai.protocol import ChatCompletionRequest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_table_lists_every_no_op_and_nothing_else():
+    text = README.read_text()
+    start = text.index("| API | field | why it changes nothing |")
+    lines = text[start:].splitlines()[2:]
+    rows = lines[:next((i for i, line in enumerate(lines) if not line.startswith("| ")), len(lines))]
+    assert rows == [f"| {n.api} | `{n.path}` | {n.why} |" for n in NO_OPS]
+
+
+def test_no_ops_are_found_where_a_request_sets_them():
+    cc = {"type": "ephemeral"}
+    req = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 8, "metadata": {"user_id": "u"},
+        "system": [{"type": "text", "text": "s", "cache_control": cc}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": cc}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": cc}]}]})
+    assert no_op_fields("messages", req) == ["messages[].content[].cache_control", "metadata",
+                                             "system[].cache_control", "tools[].cache_control"]
+    plain = MessagesRequest.model_validate({"model": "m", "max_tokens": 8,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert no_op_fields("messages", plain) == []
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "user": "u"})
+    assert no_op_fields("chat_completions", chat) == ["user"] and no_op_fields("messages", chat) == []
+
+
+def test_every_no_op_names_a_field_its_api_declares():
+    """A path in the table that no request model has would be a row counting nothing."""
+    from ladle.entrypoints.openai.protocol import CompletionRequest
+    from ladle.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    models = {"chat_completions": ChatCompletionRequest, "completions": CompletionRequest,
+              "messages": MessagesRequest, "responses": ResponsesRequest}
+    for n in NO_OPS:
+        model = models[n.api]
+        for part in n.path.replace("[]", "").split(".")[:-1]:
+            annotation = model.model_fields[part].annotation
+            model = next(t for t in _types(annotation) if isinstance(t, type) and hasattr(t, "model_fields"))
+        assert n.path.replace("[]", "").split(".")[-1] in model.model_fields, n
+
+
+def _types(annotation):
+    import typing
+
+    out, todo = [], [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        if args:
+            todo.extend(args)
+        else:
+            out.append(t)
+    return out
