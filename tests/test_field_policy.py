@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ladle.entrypoints.openai.anthropic_protocol import MessagesRequest
-from ladle.entrypoints.openai.field_policy import NO_OPS, no_op_fields
-from ladle.entrypoints.openai.protocol import ChatCompletionRequest
+from ladle.entrypoints.openai.field_policy import NO_OPS, header_no_ops, no_op_fields
+from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -43,11 +45,22 @@ def test_every_no_op_names_a_field_its_api_declares():
     models = {"chat_completions": ChatCompletionRequest, "completions": CompletionRequest,
               "messages": MessagesRequest, "responses": ResponsesRequest}
     for n in NO_OPS:
-        model = models[n.api]
-        for part in n.path.replace("[]", "").split(".")[:-1]:
+        if n.kind == "header":
+            continue
+        model, parts = models[n.api], n.path.split("=")[0].replace("[]", "").split(".")  # a value names its field
+        for i, part in enumerate(parts[:-1]):
             annotation = model.model_fields[part].annotation
-            model = next(t for t in _types(annotation) if isinstance(t, type) and hasattr(t, "model_fields"))
-        assert n.path.replace("[]", "").split(".")[-1] in model.model_fields, n
+            model = next(t for t in _types(annotation) if isinstance(t, type) and hasattr(t, "model_fields")
+                         and parts[i + 1] in t.model_fields)
+        assert parts[-1] in model.model_fields, n
+
+
+def test_header_values_are_no_ops_by_name_and_others_are_refused():
+    assert header_no_ops("messages", "anthropic-beta", " effort-2025-11-24,claude-code-20250219 ,") == [
+        "anthropic-beta: claude-code-20250219", "anthropic-beta: effort-2025-11-24"]
+    assert header_no_ops("messages", "anthropic-beta", None) == []
+    with pytest.raises(OpenAIError, match="'files-api-2025-04-14' is not a value this server knows"):
+        header_no_ops("messages", "anthropic-beta", "effort-2025-11-24,files-api-2025-04-14")
 
 
 def _types(annotation):

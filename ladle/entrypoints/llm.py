@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from ladle.config import EngineArgs
+from ladle.entrypoints.openai.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.frontend.llm_engine import LLMEngine, PromptType
 from ladle.frontend.message_marks import message_ends
 from ladle.engine.stats import EngineStats
@@ -131,12 +132,19 @@ class LLM:
         prompts: list[PromptType] = []
         marks: list[tuple[int, ...]] = []
 
-        def render(conv: Sequence[dict], generation_prompt: bool) -> tuple[str, list[int]]:
-            text = tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
+        def text_of(conv: Sequence[dict], generation_prompt: bool, tools: Any = tools) -> str:
+            return tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
                                            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
+
+        def render(conv: Sequence[dict], generation_prompt: bool) -> tuple[str, list[int]]:
+            text = text_of(conv, generation_prompt)
             return text, tok.encode(text, add_special_tokens=False)
 
         for conv in conversations:
+            # As the server renders them (chat_render): a later system message where the template can put it, or
+            # folded into the message before it.
+            if has_later_system(list(conv)) and not renders_system_in_place(lambda probe: text_of(probe, False, None)):
+                conv = fold_system(list(conv))
             text, ids = render(conv, add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             marks.append(message_ends(conv, ids, lambda head: render(head, False)[1])

@@ -47,10 +47,16 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(_Block):
+    """A tool search's answer: loads the deferred tool it names (defer_loading) into the prompt's tools."""
+    type: Literal["tool_reference"]
+    tool_name: Text
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Text
-    content: Text | list[TextBlock | ImageBlock] | None = None
+    content: Text | list[TextBlock | ImageBlock | ToolReferenceBlock] | None = None
     is_error: bool = False
 
     def text(self) -> str:
@@ -78,12 +84,32 @@ class AnthropicMessage(_Block):
     content: Text | list[Block]
 
 
+class SystemMessage(_Request):
+    """A system message among the messages (Claude Code's per-turn reminders): rendered where it stands
+    (ladle.entrypoints.openai.system_placement), never hoisted to the front."""
+    role: Literal["system"]
+    content: Text | list[TextBlock]
+    # "next_user_message": shown only until a later user message exists; "never" (the default): always.
+    clear_at: Literal["next_user_message", "never"] | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+AnyMessage = Annotated[AnthropicMessage | SystemMessage, Field(discriminator="role")]
+
+
 class AnthropicTool(_Request):
     name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
     description: Text | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None  # a no-op (field_policy)
+    # Accepted either way: a forced call (tool_choice any or tool) always follows the whole schema.
+    strict: bool | None = None
+    # Left out of the prompt's tool list until a tool_reference block loads it (ladle.entrypoints.openai
+    # .serving_messages), as Anthropic's tool search does.
+    defer_loading: bool | None = None
 
 
 class AnthropicToolChoice(_Request):
@@ -103,13 +129,70 @@ class Metadata(_Request):
     user_id: Text | None = None
 
 
+class ThinkingTurns(_Request):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class AllThinkingTurns(_Request):
+    type: Literal["all"]
+
+
+class ClearThinkingEdit(_Request):
+    """Drops the thinking blocks of all but the last keep assistant turns (Anthropic's default: 1)."""
+    type: Literal["clear_thinking_20251015"]
+    keep: ThinkingTurns | AllThinkingTurns | Literal["all"] = ThinkingTurns(type="thinking_turns", value=1)
+
+
+class InputTokens(_Request):
+    type: Literal["input_tokens"]
+    value: int = Field(ge=0)
+
+
+class ToolUses(_Request):
+    type: Literal["tool_uses"]
+    value: int = Field(ge=0)
+
+
+class ClearToolUsesEdit(_Request):
+    """Past its trigger, replaces the results (and, with clear_tool_inputs, the inputs) of all but the last keep
+    tool uses with a placeholder; exclude_tools are never cleared; with clear_at_least, only a clearing that
+    saves that many input tokens is made. Defaults as Anthropic documents them."""
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: InputTokens | ToolUses = InputTokens(type="input_tokens", value=100_000)
+    keep: ToolUses = ToolUses(type="tool_uses", value=3)
+    clear_at_least: InputTokens | None = None
+    clear_tool_inputs: bool | list[Text] | None = None
+    exclude_tools: list[Text] | None = None
+
+
+ContextEdit = Annotated[ClearThinkingEdit | ClearToolUsesEdit, Field(discriminator="type")]
+
+
+class ContextManagement(_Request):
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+class JsonOutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    # Passed to the chat template as reasoning_effort, as chat completions' reasoning_effort is.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None  # enforced as response_format's json_schema is
+
+
 class CountTokensRequest(_Request):
     model: Text
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnyMessage] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -121,12 +204,15 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # a no-op (field_policy)
+    cache_control: dict[str, Any] | None = None  # a no-op (field_policy): the request-wide caching hint
 
 
 # ---- responses (documented in the OpenAPI document; the handlers write the JSON themselves) ----
 class AnthropicUsage(BaseModel):
-    input_tokens: int
+    input_tokens: int  # the prompt tokens the prefix cache did not serve
     output_tokens: int
+    cache_read_input_tokens: int  # the prompt tokens the prefix cache served
+    cache_creation_input_tokens: int = 0  # ladle's cache is written as it computes, at no extra count
 
 
 class AnthropicMessageResponse(BaseModel):

@@ -151,9 +151,9 @@ def build_app(state: ServerState) -> FastAPI:
         return await messages.create_message(request, raw_request)
 
     @app.post("/v1/messages/count_tokens", responses=error_responses(400, *((401,) if keyed else ()), 404, 503))
-    async def count_tokens(request: CountTokensRequest) -> TokenCount:
+    async def count_tokens(request: CountTokensRequest, raw_request: Request) -> TokenCount:
         check_model(request.model)
-        return TokenCount(**await messages.count_tokens(request))
+        return TokenCount(**await messages.count_tokens(request, raw_request))
 
     @app.post("/v1/responses", response_model=None, responses=generation_responses(ResponseObject, keyed))
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:

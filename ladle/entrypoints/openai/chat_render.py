@@ -9,6 +9,8 @@ from typing import Any
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
+from ladle.entrypoints.openai.reasoning_effort import effort_kwargs
+from ladle.entrypoints.openai.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.frontend.message_marks import message_ends
 
 # Keywords the server itself passes to the template: a request's chat_template_kwargs may not set them.
@@ -25,9 +27,9 @@ class ChatPrompt:
     add_generation_prompt: bool
 
 
-def chat_prompt(req: Any, template: str | None) -> ChatPrompt:
+def chat_prompt(req: Any, template: str | None, controls: frozenset[str] = frozenset()) -> ChatPrompt:
     """Checks what the template cannot (tool-call arguments that are not objects, a tool message that answers
-    no earlier call, reserved keywords)."""
+    no earlier call, reserved keywords); controls: the effort controls the template reads (reasoning_effort)."""
     messages = []
     called: set[str] = set()  # the ids of the calls assistant messages made so far
     for i, m in enumerate(req.messages):
@@ -58,8 +60,7 @@ def chat_prompt(req: Any, template: str | None) -> ChatPrompt:
     if bad:
         raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(bad)}: the request's own fields do",
                           code="invalid_value", param="chat_template_kwargs")
-    if req.reasoning_effort is not None:
-        kwargs["reasoning_effort"] = req.reasoning_effort
+    kwargs = {**effort_kwargs(req.reasoning_effort, controls)[0], **kwargs}  # the template's own keywords win
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatPrompt(messages, tools, kwargs, template, req.add_generation_prompt)
 
@@ -73,12 +74,16 @@ def chars(prompt: ChatPrompt) -> int:
 def render(tokenizer: Any, p: ChatPrompt, mark: bool) -> tuple[list[int], tuple[int, ...], str]:
     """The prompt's token ids, where its last messages end (with mark; ladle.frontend.message_marks), and its
     text. Encoded without adding special tokens again, as LLM.chat does, so one conversation gives one prompt."""
-    def text_of(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tools=p.tools, tokenize=False, chat_template=p.template,
+    def text_of(messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = p.tools) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=p.template,
                                              add_generation_prompt=generation_prompt, **p.kwargs)
 
+    messages = p.messages
+    # Probed without the tools, which cost most of a render and move no message in any template we know.
+    if has_later_system(messages) and not renders_system_in_place(lambda probe: text_of(probe, False, None)):
+        messages = fold_system(messages)
     try:
-        text = text_of(p.messages, p.add_generation_prompt)
+        text = text_of(messages, p.add_generation_prompt)
     except TemplateSyntaxError as e:
         # The template itself does not parse: no request can fix that, so it is the server's error.
         raise OpenAIError(500, f"the model's chat template is broken ({e}); no request can be rendered with it",
@@ -91,5 +96,5 @@ def render(tokenizer: Any, p: ChatPrompt, mark: bool) -> tuple[list[int], tuple[
         raise OpenAIError(400, "the messages render to an empty prompt", code="invalid_value", param="messages")
     if not mark:
         return ids, (), text
-    return ids, message_ends(p.messages, ids, lambda head: tokenizer.encode(
+    return ids, message_ends(messages, ids, lambda head: tokenizer.encode(
         text_of(list(head), False), add_special_tokens=False)), text

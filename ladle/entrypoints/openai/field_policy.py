@@ -7,14 +7,18 @@ so a 400 on one locks the client out; each is counted on /metrics (ladle:no_op_f
 and listed in the README's table, which a test holds equal to NO_OPS. A field outside the protocol models is
 still a 400, since they forbid extra keys.
 
-Paths are dotted field names as the request spells them, `[]` standing for every element of a list.
+Paths are dotted field names as the request spells them, `[]` standing for every element of a list; a value
+entry (`path=value`) is a no-op only when the field holds that value (the code that serves the field counts it),
+and a header entry (`name: value`) is one value of a comma-separated request header.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
+
+from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
 
 
 @dataclass(frozen=True)
@@ -22,10 +26,17 @@ class NoOp:
     api: str  # chat_completions, completions, responses or messages
     path: str
     why: str  # why ignoring it cannot change what the model sees or generates
+    kind: Literal["field", "value", "header"] = "field"
 
 
 _USER = "an end-user id for the provider's abuse monitoring; nothing here reads it"
 _CACHE = "a prompt-caching hint: ladle caches every prefix on its own, and a hit never changes the output"
+_ENABLES = "a beta switch for request fields that are served, or refused by name, on their own"
+
+BILLING_PREFIX = "x-anthropic-billing-header:"  # Claude Code's first system block
+BILLING_HEADER = f"system[].text={BILLING_PREFIX} ..."
+KEEP_ALL_THINKING = "context_management.edits[].keep=all"
+BETA = "anthropic-beta"
 
 NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "user", _USER),
@@ -33,15 +44,41 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("responses", "user", _USER),
     NoOp("messages", "metadata", "client metadata (Claude Code's user_id); nothing here reads it"),
     NoOp("messages", "service_tier", "one tier here: auto and standard_only mean the same"),
+    NoOp("messages", "cache_control", _CACHE),
     NoOp("messages", "tools[].cache_control", _CACHE),
     NoOp("messages", "system[].cache_control", _CACHE),
     NoOp("messages", "messages[].content[].cache_control", _CACHE),
+    NoOp("messages", BILLING_HEADER, "billing metadata for Anthropic's servers (a version and a per-session or "
+         "per-request hash); left out of the prompt, so sessions share the system prompt's prefix", "value"),
+    NoOp("messages", KEEP_ALL_THINKING, "clear_thinking that keeps every turn's thinking: the template gets every "
+         "thinking block, as without the edit", "value"),
+    NoOp("messages", f"{BETA}: claude-code-20250219", "names the client; enables nothing here", "header"),
+    NoOp("messages", f"{BETA}: interleaved-thinking-2025-05-14", "thinking between tool calls: a model here thinks "
+         "wherever its chat template lets it, with or without it", "header"),
+    NoOp("messages", f"{BETA}: thinking-token-count-2026-05-13", "asks usage to count thinking tokens apart; "
+         "output_tokens counts them", "header"),
+    NoOp("messages", f"{BETA}: context-management-2025-06-27", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: mid-conversation-system-2026-04-07", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: mid-conversation-system-clear-at-2026-08-21", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: effort-2025-11-24", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: structured-outputs-2025-11-13", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: advanced-tool-use-2025-11-20", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: token-counting-2024-11-01", _ENABLES, "header"),
+    NoOp("messages", f"{BETA}: prompt-caching-scope-2026-01-05", _CACHE, "header"),
+    NoOp("messages", f"{BETA}: prompt-caching-2024-07-31", _CACHE, "header"),
+    NoOp("messages", f"{BETA}: extended-cache-ttl-2025-04-11", _CACHE, "header"),
+    NoOp("messages", f"{BETA}: fine-grained-tool-streaming-2025-05-14", "streams a call's input in smaller pieces; "
+         "the input is the same", "header"),
+    NoOp("messages", f"{BETA}: output-128k-2025-02-19", "raises Anthropic's max_tokens cap; here max_model_len "
+         "bounds max_tokens either way", "header"),
+    NoOp("messages", f"{BETA}: context-1m-2025-08-07", "widens Anthropic's context window; here max_model_len "
+         "is the window either way", "header"),
 )
 
 
 def no_op_fields(api: str, request: BaseModel) -> list[str]:
     """The no-op fields of NO_OPS that request sets, each once."""
-    wanted = {n.path for n in NO_OPS if n.api == api}
+    wanted = {n.path for n in NO_OPS if n.api == api and n.kind == "field"}
     # Only the branches that lead to a no-op are walked: a prompt's thousands of blocks are not visited.
     leads = {p[:i] for p in wanted for i in range(len(p) + 1) if i == len(p) or p[i] in ".["}
     found: set[str] = set()
@@ -64,3 +101,21 @@ def _walk(value: Any, prefix: str, wanted: set[str], leads: set[str], found: set
     elif isinstance(value, list) and f"{prefix}[]" in leads:
         for item in value:
             _walk(item, f"{prefix}[]", wanted, leads, found)
+
+
+def header_no_ops(api: str, name: str, value: str | None) -> list[str]:
+    """The NO_OPS entries of a comma-separated header's values; a value that is not one is a 400 naming it (it
+    may ask for what ladle does not do)."""
+    known = {n.path for n in NO_OPS if n.api == api and n.kind == "header"}
+    out = []
+    for v in (value or "").split(","):
+        if not v.strip():
+            continue
+        path = f"{name}: {v.strip()}"
+        if path not in known:
+            values = sorted(p.removeprefix(f"{name}: ") for p in known if p.startswith(f"{name}: "))
+            raise OpenAIError(400, f"{name} header: {clip(v.strip())!r} is not a value this server knows, so what it "
+                              f"asks for would not be done; known: {', '.join(values)}", code="unsupported_parameter",
+                              param=name)
+        out.append(path)
+    return sorted(set(out))

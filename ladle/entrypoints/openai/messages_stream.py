@@ -7,10 +7,20 @@ import json
 from typing import Any, Callable, Iterator
 
 from ladle.entrypoints.openai.chat_output import ChoicePiece
+from ladle.entrypoints.openai.protocol import UsageInfo
 
 
 def event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+def usage(u: UsageInfo) -> dict[str, int]:
+    """Anthropic's usage: input_tokens is the part of the prompt the prefix cache did not serve, as Anthropic
+    counts it beside cache_read_input_tokens. ladle writes its cache as it computes, at no extra count, so
+    cache_creation_input_tokens is 0."""
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
+    return {"input_tokens": u.prompt_tokens - cached, "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def stop_reason(finish: str | None, matched: int | str | None, called: bool) -> tuple[str, str | None]:
