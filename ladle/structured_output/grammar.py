@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from ladle.sampling_params import StructuredOutputsParams
+from ladle.structured_output.property_names import rewrite_property_names
 
 # Between two JSON tokens: at most this much whitespace (newlines and indentation included), so a model can
 # never emit whitespace forever and a pretty-printing one still writes the layout it learned.
@@ -42,6 +43,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
                 raise InvalidStructuredOutput(field, f"is not valid JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidStructuredOutput(field, f"a JSON schema is an object or a bool, got {type(schema).__name__}")
+        schema = rewrite_property_names(schema)
         if spec.disable_additional_properties:
             schema = closed_objects(schema)
         options: dict[str, Any] = ({"whitespace_flexible": False} if spec.disable_any_whitespace else

@@ -12,9 +12,9 @@ from typing import Any
 from urllib.parse import unquote
 
 # Keywords whose values are JSON data, not schemas: a "$ref" inside them is no ref.
-_DATA = frozenset({"const", "enum", "default", "examples"})
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names to schemas: their keys are names, never keywords.
-_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"})
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"})
 # Keywords that say what a schema is, not what it allows: two schemas that share only these can be laid one over
 # the other (see deref).
 NON_CONSTRAINING = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
@@ -47,9 +47,9 @@ def _moved(value: Any, at: str) -> Any:
     for k, v in value.items():
         if k == "$ref" and is_local(v):
             out[k] = "#" + at + v[1:]
-        elif k in _DATA:
+        elif k in DATA_KEYWORDS:
             out[k] = v
-        elif k in _MAPS and isinstance(v, dict):
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
             out[k] = {name: _moved(s, at) for name, s in v.items()}
         else:
             out[k] = _moved(v, at)
@@ -65,10 +65,10 @@ def has_local_ref(value: Any) -> bool:
         if k == "$ref":
             if is_local(v):
                 return True
-        elif k in _MAPS and isinstance(v, dict):
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
             if any(has_local_ref(s) for s in v.values()):
                 return True
-        elif k not in _DATA and has_local_ref(v):
+        elif k not in DATA_KEYWORDS and has_local_ref(v):
             return True
     return False
 

@@ -37,6 +37,15 @@ BILLING_PREFIX = "x-anthropic-billing-header:"  # Claude Code's first system blo
 BILLING_HEADER = f"system[].text={BILLING_PREFIX} ..."
 KEEP_ALL_THINKING = "context_management.edits[].keep=all"
 BETA = "anthropic-beta"
+_CACHE_KEY = ("a prompt-caching routing hint: ladle caches every prefix on its own, whatever the key, and a hit "
+              "never changes the output")
+_TIER = "one tier here: every value is served alike"
+_VERBOSITY = ("a length hint OpenAI's GPT-5 models were trained to follow; the model here has no such control, so it "
+              "answers as it would without it")
+_EFFORT = ("counted only where the chat template has no control for the grade: with only a thinking switch (Qwen3's "
+           "enable_thinking) the model thinks at its one grade for every value but none (which turns thinking off), "
+           "with neither no value reaches it; a template that reads reasoning_effort gets every value")
+CHAT_EFFORT = "reasoning_effort=*"  # counted by serving_chat
 
 NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "user", _USER),
@@ -73,6 +82,12 @@ NO_OPS: tuple[NoOp, ...] = (
          "bounds max_tokens either way", "header"),
     NoOp("messages", f"{BETA}: context-1m-2025-08-07", "widens Anthropic's context window; here max_model_len "
          "is the window either way", "header"),
+    NoOp("chat_completions", "prompt_cache_key", _CACHE_KEY),
+    NoOp("chat_completions", "metadata", "client metadata for OpenAI's stored completions; nothing is stored here "
+         "and nothing reads it"),
+    NoOp("chat_completions", "service_tier", _TIER),
+    NoOp("chat_completions", "verbosity", _VERBOSITY),
+    NoOp("chat_completions", CHAT_EFFORT, _EFFORT, "value"),
 )
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from ladle.entrypoints.openai.protocol_base import (  # noqa: F401 -- the protocol's names, importable from here
     EchoModel, ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
 )
+from ladle.entrypoints.openai.reasoning_effort import ReasoningEffort
 from ladle.entrypoints.openai.structured_request import GuidedFields, ResponseFormat, StructuredOutputsRequest
 from ladle.entrypoints.openai.tool_protocol import (
     MAX_TOOLS, ChatCompletionToolParam, DeltaToolCall, ToolCallOut, ToolCallParam, ToolChoice,
@@ -96,7 +97,21 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (e.g. enable_thinking)
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # passed to the chat template
+    # The template's effort control, or its thinking switch (ladle.entrypoints.openai.reasoning_effort).
+    reasoning_effort: ReasoningEffort | None = None
+    # Hints that change nothing the model sees or generates: field_policy.NO_OPS lists them.
+    prompt_cache_key: Text | None = None
+    metadata: dict[str, Text] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    store: bool | None = None  # false only: nothing is stored (true is a 400)
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("this server stores no completions; send store: false (or leave it out)")
+        return store
 
 
 # ---- responses ----

@@ -17,6 +17,8 @@ from ladle.entrypoints.openai.protocol import (
 from ladle.entrypoints.openai.chat_output import ChoicePiece, ChoiceReader, finish_reason, read_whole
 from ladle.entrypoints.openai.chat_render import chars, chat_prompt, render
 from ladle.entrypoints.openai.chat_tools import ToolPlan, constrain, gated, tool_plan
+from ladle.entrypoints.openai.field_policy import CHAT_EFFORT
+from ladle.entrypoints.openai.reasoning_effort import effort_kwargs, template_controls
 from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from ladle.frontend.message_marks import LAST_MESSAGES
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
@@ -69,9 +71,12 @@ class OpenAIServingChat:
         self.ctx = ctx
         reasoning = ctx.chat.reasoning
         self.think = reasoning.think_tags(ctx.tokenizer) if reasoning is not None else None
+        self.effort_controls = template_controls(ctx.tokenizer, ctx.chat.chat_template)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
         chat = await self.prepare(req, "chatcmpl", client=client_of(raw_request))
+        if effort_kwargs(req.reasoning_effort, self.effort_controls)[1]:
+            self.ctx.metrics.no_ops("chat_completions", [CHAT_EFFORT])
         stream, plan, thinking = chat.stream, chat.plan, chat.thinking
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -97,7 +102,7 @@ class OpenAIServingChat:
         await self.ctx.check_structured(params, param, client)
         if not count_only:
             self.ctx.vocab_size()  # 503 before any work while no engine is ready
-        prompt = chat_prompt(req, settings.chat_template)
+        prompt = chat_prompt(req, settings.chat_template, self.effort_controls)
         mark = self.ctx.checkpointing() and not count_only
         ids, marks, text = await self.ctx.pool.run(lambda tok: render(tok, prompt, mark),
                                                    chars(prompt) * (1 + mark * LAST_MESSAGES))

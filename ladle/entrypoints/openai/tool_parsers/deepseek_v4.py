@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ladle.entrypoints.openai.tool_parsers.base import (
     CallProgress, ToolFormat, Tools, UnsupportedSchema, partial_suffix,
 )
-from ladle.entrypoints.openai.tool_parsers.parameters import raw_regex, unsupported, writable
+from ladle.entrypoints.openai.tool_parsers.parameters import raw_regex, refuse_grammars, unsupported, writable
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.schema_refs import standalone
 
@@ -88,7 +89,8 @@ class DeepSeekV4Format(ToolFormat):
                 break
         return None if final and not calls else calls
 
-    def grammar(self, tools: Tools, parallel: bool) -> str:
+    def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
+        refuse_grammars(self.name, grammars)
         # One rule per tool (named by index: a tool's name need not be a Lark name).
         rules = [f"call_{i}: {_lit(INVOKE + name + _INVOKE_CLOSE)} {_params_rule(name, params)}{_lit(INVOKE_END)}"
                  for i, (name, params) in enumerate(tools.items())]
@@ -125,9 +127,13 @@ def _value(raw: str, string: str) -> str:
     string when it is not JSON, NaN and Infinity included, which JSON has not)."""
     if string == "false":
         try:
-            return json.dumps(json.loads(raw, parse_constant=_reject), ensure_ascii=False)
+            value = json.loads(raw, parse_constant=_reject)
         except ValueError:
-            pass
+            return json.dumps(raw, ensure_ascii=False)
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except ValueError:  # a number past a float's range (1e400): JSON still, written as it came
+            return raw.strip()
     return json.dumps(raw, ensure_ascii=False)
 
 

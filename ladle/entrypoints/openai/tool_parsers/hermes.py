@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from ladle.entrypoints.openai.tool_parsers.base import CallProgress, TaggedFormat, Tools
+from ladle.entrypoints.openai.tool_parsers.json_calls import json_calls
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
+from ladle.structured_output.property_names import rewrite_property_names
 from ladle.structured_output.schema_refs import relocate
 
 START, END = "<tool_call>", "</tool_call>"
@@ -73,16 +76,22 @@ class HermesFormat(TaggedFormat):
         end = object_end(body, a.end())
         return [CallProgress(name, body[a.end():end] if end is not None else body[a.end():], False)]
 
-    def grammar(self, tools: Tools, parallel: bool) -> str:
+    def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
+        if grammars:
+            calls, rules = json_calls(tools, grammars, "arguments")
+            head = f'start: call ("\\n" call)*' if parallel else "start: call"
+            return "\n".join([head, f'call: "{START}\\n" ({calls}) "\\n{END}"', *rules])
         call = f'"{START}\\n" %json {json.dumps(calls_schema(tools, "arguments"))} "\\n{END}"'
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
 
 
 def calls_schema(tools: Tools, key: str) -> dict:
     """{"name": <a tool's name>, key: <its parameters>}: one call of any of the tools, as one JSON schema. Each
-    tool's parameters sit at /anyOf/<i>/properties/<key>, and their local refs move there with them."""
+    tool's parameters sit at /anyOf/<i>/properties/<key>, and their local refs move there with them;
+    propertyNames is said in keywords llguidance implements where it can be."""
     calls = [{"type": "object", "properties": {"name": {"const": name}, key: relocate(
-        params, f"/anyOf/{i}/properties/{key}") or {"type": "object"}}, "required": ["name", key],
+        rewrite_property_names(params), f"/anyOf/{i}/properties/{key}") or {"type": "object"}},
+        "required": ["name", key],
         "additionalProperties": False} for i, (name, params) in enumerate(tools.items())]
     return {"anyOf": calls, "x-guidance": {"whitespace_pattern": DEFAULT_WHITESPACE}}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ladle.entrypoints.openai.tool_parsers.base import UnsupportedSchema
+from ladle.structured_output.property_names import rewrite_property_names
 from ladle.structured_output.schema_refs import deref
 
 # The types a parameter's raw text is read as text (vLLM's names for them, besides JSON's "string").
@@ -50,10 +51,21 @@ def unsupported(fmt: str, tool: str, parameter: str | None, reason: str) -> Unsu
                              "(tool_choice \"required\" or a named tool) to this schema")
 
 
+def refuse_grammars(fmt: str, grammars: Any) -> None:
+    """A tag format writes a custom tool's input as raw text that ends at its closing tag, which a Lark grammar
+    (whose text may hold that tag) cannot be held out of."""
+    if grammars:
+        raise UnsupportedSchema(f"tool {next(iter(grammars))!r}: its input is held to a Lark grammar, and the {fmt} "
+                                "tool-call format writes the input as raw text ending at a closing tag the grammar "
+                                "cannot be kept from writing; a forced call to it cannot be held to the grammar "
+                                "(send tool_choice \"auto\", or a regex format)")
+
+
 def writable(fmt: str, tool: str, params: Any) -> Parameters:
     """The tool's parameters, checked for what one tag per parameter can write: an object whose properties each
-    stand alone (no keywords over the whole object, every required parameter with a schema)."""
-    p = parameters(params)
+    stand alone (no keywords over the whole object, every required parameter with a schema), with propertyNames
+    said in keywords llguidance implements where it can be."""
+    p = parameters(rewrite_property_names(params))
     bad = [k for k in _OBJECT_KEYWORDS if k in p.top]
     if bad:
         raise unsupported(fmt, tool, None, f"{', '.join(json.dumps(k) for k in bad)} over the whole parameters "

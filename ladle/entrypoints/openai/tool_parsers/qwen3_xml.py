@@ -19,13 +19,14 @@ import ast
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ladle.entrypoints.openai.tool_parsers.base import (
     CallProgress, TaggedFormat, Tools, UnsupportedSchema, partial_suffix,
 )
 from ladle.entrypoints.openai.tool_parsers.parameters import (
-    STRING_TYPES, parameters, raw_regex, unsupported, writable,
+    STRING_TYPES, parameters, raw_regex, refuse_grammars, unsupported, writable,
 )
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.schema_refs import NON_CONSTRAINING, standalone
@@ -40,6 +41,7 @@ _INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
 _BOOL_TYPES = {"boolean", "bool", "binary"}
 # What a raw value may not hold: the tags that end it, or its call.
 _STOPS = (PARAM_END, PARAM, FUNC_END, END)
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 def param_type(schema: Any) -> str:
@@ -124,9 +126,9 @@ def convert(value: str, schema: Any) -> Any:
             return int(value)
         if t.startswith(("num", "float")):
             f = float(value)
-            if not math.isfinite(f):  # NaN and Infinity are not JSON
+            if not math.isfinite(f) and not _JSON_NUMBER.fullmatch(value.strip()):  # NaN and Infinity are not JSON
                 return value
-            return int(f) if f.is_integer() else f
+            return int(f) if f.is_integer() else f  # (1e400 is: an inf that _member writes as its text)
         if t in _BOOL_TYPES:
             return value.strip().lower() == "true"
         if t in ("object", "array", "arr") or t.startswith(("dict", "list")):
@@ -135,7 +137,7 @@ def convert(value: str, schema: Any) -> Any:
             except ValueError:
                 pass
         out = ast.literal_eval(value.strip())  # Python literals: the template writes True, None, {'a': 1}
-        json.dumps(out)  # a set or bytes has no JSON: keep the text
+        json.dumps(out, allow_nan=False)  # a set, bytes or 1e400 has no JSON: keep the text
         return out
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, OverflowError):
         return value
@@ -195,7 +197,8 @@ class Qwen3XmlFormat(TaggedFormat):
             parts.append(_member(key, _unframe(body[k + 1:end]), props))
             pos = end + len(PARAM_END) if body.startswith(PARAM_END, end) else end
 
-    def grammar(self, tools: Tools, parallel: bool) -> str:
+    def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
+        refuse_grammars(self.name, grammars)
         rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
         terminals: list[str] = []
         for i, (name, params) in enumerate(tools.items()):
@@ -218,7 +221,12 @@ class Qwen3XmlFormat(TaggedFormat):
 
 
 def _member(key: str, raw: str, props: dict[str, Any]) -> str:
-    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(convert(raw, props.get(key)), ensure_ascii=False)}"
+    value = convert(raw, props.get(key))
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # JSON with a number past a float's range (1e400): a number still, written as it came
+        text = raw.strip()
+    return f"{json.dumps(key, ensure_ascii=False)}: {text}"
 
 
 def _args(parts: list[str], done: bool) -> str:
