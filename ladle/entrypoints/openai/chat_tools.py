@@ -1,8 +1,10 @@
 """A chat request's tools: which functions it offers, what tool_choice asks (checked against them and against
-the server's parsers), and the grammar that enforces a call when the choice is "required" or a named function."""
+the server's parsers), and the grammar that enforces a call when the choice is "required" or a named function
+(a custom tool's Lark grammar included: the Responses API's custom tools are functions of one string here)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ladle.entrypoints.openai.chat_settings import ChatSettings
@@ -17,6 +19,7 @@ class ToolPlan:
     tools: Tools  # name -> JSON schema of its parameters
     choice: str  # "none", "auto", "required" or "function"
     function: str | None = None  # the function a named choice forces
+    grammars: Mapping[str, str] = field(default_factory=dict)  # custom tools held to a Lark grammar, by name
 
     @property
     def parse(self) -> bool:
@@ -24,7 +27,7 @@ class ToolPlan:
         return self.choice != "none"
 
 
-def tool_plan(req: Any, settings: ChatSettings) -> ToolPlan:
+def tool_plan(req: Any, settings: ChatSettings, grammars: Mapping[str, str] | None = None) -> ToolPlan:
     tools: Tools = {}
     for i, t in enumerate(req.tools or []):
         if t.function.name in tools:
@@ -45,7 +48,7 @@ def tool_plan(req: Any, settings: ChatSettings) -> ToolPlan:
         raise OpenAIError(400, "this server has no tool-call parser for its model, so it cannot read tool calls; "
                           "start it with --tool-call-parser NAME, or send tool_choice \"none\"",
                           code="unsupported_parameter", param="tool_choice")
-    return ToolPlan(tools, choice, function)
+    return ToolPlan(tools, choice, function, dict(grammars or {}))
 
 
 def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured: StructuredOutputsParams | None,
@@ -63,8 +66,9 @@ def constrain(plan: ToolPlan, settings: ChatSettings, parallel: bool, structured
                 check_schema(schema, f"the parameters of tool {name!r}", limits)
             except ConstraintTooLarge as e:
                 raise OpenAIError(400, str(e), code="invalid_value", param="tools") from None
+        forced = {name: g for name, g in plan.grammars.items() if name in tools}
         try:
-            grammar = settings.tool_format.grammar(tools, parallel and plan.function is None)
+            grammar = settings.tool_format.grammar(tools, parallel and plan.function is None, forced)
         except UnsupportedSchema as e:
             raise OpenAIError(400, str(e), code="invalid_value", param="tools") from None
         structured, param = StructuredOutputsParams(grammar=grammar), "tool_choice"

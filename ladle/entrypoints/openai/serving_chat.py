@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
@@ -84,15 +85,16 @@ class OpenAIServingChat:
                              lambda: self._response(stream, top_n, plan, thinking), bool(req.stream), raw_request)
 
     async def prepare(self, req: ChatCompletionRequest, id_prefix: str, count_only: bool = False,
-                      client: str = "") -> PreparedChat:
+                      client: str = "", grammars: Mapping[str, str] | None = None) -> PreparedChat:
         """Everything a chat request needs before its answer is written (the other APIs that speak chat, the
         Anthropic Messages API, share it): checked, constrained, rendered and, unless count_only, submitted;
-        client: the peer, whose turn its grammar compile takes."""
+        client: the peer, whose turn its grammar compile takes; grammars: the Lark grammars of the functions that
+        stand for custom tools (the Responses API's), by name."""
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         self.ctx.check_choices(1, req.n)
         settings = self.ctx.chat
-        plan = tool_plan(req, settings)
+        plan = tool_plan(req, settings, grammars)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         structured, param = structured_outputs_of(req)
         structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 Tools = dict[str, dict[str, Any]]  # a request's functions: name -> JSON schema of its parameters
@@ -75,12 +76,13 @@ class ToolFormat(ABC):
         reached may still be read whole); None when the region cannot be read as calls."""
 
     @abstractmethod
-    def grammar(self, tools: Tools, parallel: bool) -> str:
+    def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
         """A Lark grammar (llguidance) whose every output is one call (several with parallel) of these tools in
         this format, with arguments valid against each schema: tool_choice "required" or a named function. Tags
         are spelled as text: a tag the tokenizer has as one plain added token matches that token (see
-        ladle.structured_output.matcher.tokenizer_spec). UnsupportedSchema where the format cannot hold a
-        call to a schema."""
+        ladle.structured_output.matcher.tokenizer_spec). grammars: the custom tools whose one string parameter
+        (json_calls.INPUT) is held to a Lark grammar, by name. UnsupportedSchema where the format cannot hold a
+        call to a schema or a grammar."""
 
 
 class TaggedFormat(ToolFormat):

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools
 from ladle.entrypoints.openai.tool_parsers.hermes import calls_schema, object_end
+from ladle.entrypoints.openai.tool_parsers.json_calls import json_calls
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -79,9 +81,14 @@ class Llama3JsonFormat(ToolFormat):
             pos = m.end()
         return None if final and not calls else calls
 
-    def grammar(self, tools: Tools, parallel: bool) -> str:
-        call = f"%json {json.dumps(calls_schema(tools, 'parameters'))}"
-        return f"start: call ({json.dumps(SEPARATOR)} call)*\ncall: {call}" if parallel else f"start: {call}"
+    def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
+        rules: list[str] = []
+        if grammars:
+            call, rules = json_calls(tools, grammars, "parameters")
+        else:
+            call = f"%json {json.dumps(calls_schema(tools, 'parameters'))}"
+        head = f"start: call ({json.dumps(SEPARATOR)} call)*\ncall: {call}" if parallel else f"start: {call}"
+        return "\n".join([head, *rules])
 
 
 def _first_object(region: str) -> int | None:
