@@ -17,8 +17,9 @@ from ladle.entrypoints.openai.context_edits import (
     CLEARED_RESULT, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
 )
 from ladle.entrypoints.openai.field_policy import BILLING_HEADER, KEEP_ALL_THINKING
+from ladle.entrypoints.openai.serving_chat import chat_request
 from ladle.entrypoints.openai.serving_messages import to_chat
-from ladle.testing.tool_checkpoints import FAMILIES, TEMPLATES
+from ladle.testing.tool_checkpoints import FAMILIES, TEMPLATES, build_tool_checkpoint
 
 RECORDED = Path(__file__).resolve().parent / "fixtures" / "agent_requests" / "claude-code-2.1.197.json"
 # family -> whether its template renders a system message mid-conversation (else it is folded)
@@ -194,3 +195,13 @@ def test_a_deferred_tool_is_out_of_the_prompt_until_a_tool_reference_loads_it(to
                                       "content": [{"type": "tool_reference", "tool_name": "Deploy"}]}]}]
     _, text = rendered(tokenizers["qwen3"], body)
     assert "DEPLOY-TOOL" in text and '"strict"' not in text
+
+
+def test_the_offline_llm_chat_places_a_later_system_message_as_the_server_does(tmp_path):
+    from ladle import LLM, SamplingParams
+
+    llm = LLM(build_tool_checkpoint(tmp_path, "qwen3_5"))  # Qwen3.5's template drops a later system message
+    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "NOTE"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    served = render(llm.get_tokenizer(), chat_prompt(chat_request({"messages": messages}), None), False)[2]
+    assert out.prompt == served and "hi\n\nNOTE<|im_end|>" in out.prompt

@@ -36,6 +36,7 @@ _ENABLES = "a beta switch for request fields that are served, or refused by name
 BILLING_PREFIX = "x-anthropic-billing-header:"  # Claude Code's first system block
 BILLING_HEADER = f"system[].text={BILLING_PREFIX} ..."
 KEEP_ALL_THINKING = "context_management.edits[].keep=all"
+MESSAGES_EFFORT = "output_config.effort=*"  # counted by serving_messages
 BETA = "anthropic-beta"
 _CACHE_KEY = ("a prompt-caching routing hint: ladle caches every prefix on its own, whatever the key, and a hit "
               "never changes the output")
@@ -61,6 +62,9 @@ NO_OPS: tuple[NoOp, ...] = (
          "per-request hash); left out of the prompt, so sessions share the system prompt's prefix", "value"),
     NoOp("messages", KEEP_ALL_THINKING, "clear_thinking that keeps every turn's thinking: the template gets every "
          "thinking block, as without the edit", "value"),
+    NoOp("messages", MESSAGES_EFFORT, "counted only where the chat template has no reasoning_effort control "
+         "(Qwen3's, DeepSeek's): the model thinks as `thinking` says, at its one grade, for every value; a template "
+         "that reads reasoning_effort gets every value", "value"),
     NoOp("messages", f"{BETA}: claude-code-20250219", "names the client; enables nothing here", "header"),
     NoOp("messages", f"{BETA}: interleaved-thinking-2025-05-14", "thinking between tool calls: a model here thinks "
          "wherever its chat template lets it, with or without it", "header"),

@@ -21,7 +21,9 @@ from ladle.entrypoints.openai.chat_render import chars, chat_prompt, render
 from ladle.entrypoints.openai.context_edits import (
     Messages, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
 )
-from ladle.entrypoints.openai.field_policy import BETA, BILLING_HEADER, BILLING_PREFIX, KEEP_ALL_THINKING, header_no_ops
+from ladle.entrypoints.openai.field_policy import (
+    BETA, BILLING_HEADER, BILLING_PREFIX, KEEP_ALL_THINKING, MESSAGES_EFFORT, header_no_ops,
+)
 from ladle.entrypoints.openai.messages_stream import BlockWriter, event, stop_reason, usage
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
@@ -45,6 +47,9 @@ class AnthropicServingMessages:
     async def create_message(self, req: MessagesRequest, raw_request: Request) -> Any:
         no_ops = header_no_ops("messages", BETA, raw_request.headers.get(BETA))
         chat, taken = await self._chat(req, req.max_tokens, req.stream)
+        effort = req.output_config.effort if req.output_config is not None else None
+        if effort is not None and "reasoning_effort" not in self.chat.effort_controls:
+            taken.append(MESSAGES_EFFORT)  # the template has no control for it (reasoning_effort.py)
         self.ctx.metrics.no_ops("messages", no_ops + taken)
         prepared = await self.chat.prepare(chat, "msg", client=client_of(raw_request))
         return await respond(prepared.stream, self._events(prepared), lambda: self._message(prepared),  # type: ignore[arg-type]
