@@ -26,6 +26,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_abuse import health_gaps  # noqa: E402
+
 TIMEOUT_S = 120.0  # a case not answered by then is a hang
 
 
@@ -131,17 +134,6 @@ def post(base: str, case: tuple[str, str, dict]) -> dict[str, Any]:
             "message": message[:160]}
 
 
-def poll_health(base: str, stop: threading.Event, worst: list[float]) -> None:
-    while not stop.is_set():
-        start = time.perf_counter()
-        try:
-            httpx.get(base + "/health", timeout=30)
-        except httpx.HTTPError:
-            pass
-        worst[0] = max(worst[0], time.perf_counter() - start)
-        time.sleep(0.05)
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -179,8 +171,8 @@ def main() -> None:
         time.sleep(0.2)
     name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
     before = httpx.get(base + "/health", timeout=10).json()
-    stop, worst = threading.Event(), [0.0]
-    poller = threading.Thread(target=poll_health, args=(base, stop, worst), daemon=True)
+    stop, gaps = threading.Event(), [0.0]
+    poller = threading.Thread(target=health_gaps, args=(base, stop, gaps), daemon=True)
     poller.start()
     corpus = schema_cases(name)
     agents = [agent_turn(name, i) for i in range(12)]
@@ -201,7 +193,7 @@ def main() -> None:
     hangs = [r for r in rows if not isinstance(r["status"], int)]
     summary = {"cpu": cpu_name(), "cases": len(rows), "corpus_cases": len(corpus), "agent_turns": len(agents),
                "statuses": statuses, "num_5xx": len(fives), "num_hangs_or_errors": len(hangs),
-               "worst_health_s": round(worst[0], 3), "seconds": round(took, 1),
+               "worst_health_s": round(max(gaps), 3), "seconds": round(took, 1),
                "api_restarts": after["api_restarts"], "engine_restarts": after["engine_restarts"],
                "engine_pid_unchanged": after["engine_pid"] == before["engine_pid"], "exit_code": code}
     Path(args.out).with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
@@ -210,7 +202,7 @@ def main() -> None:
              f"{len(corpus)} hostile cases and {len(agents)} agent turns, six at a time, against one `ladle serve` "
              "of a tiny hermes-format Qwen3, /health polled throughout.", "",
              f"- Statuses: {', '.join(f'{k} x{v}' for k, v in sorted(statuses.items()))}; **5xx: {len(fives)}**, "
-             f"hangs or dropped connections: {len(hangs)}; slowest /health: **{worst[0]:.3f} s**.",
+             f"hangs or dropped connections: {len(hangs)}; slowest /health: **{max(gaps):.3f} s**.",
              f"- After it all: API process restarts {after['api_restarts']}, engine restarts "
              f"{after['engine_restarts']}, engine process unchanged: {summary['engine_pid_unchanged']}; SIGTERM "
              f"then drained and exited {code}.", "",
