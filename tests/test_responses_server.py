@@ -108,7 +108,9 @@ BAD = [
     ({"store": True}, "store"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "shell"}]}, "tools"),  # a tool type this server does not know
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),  # none runs here
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"}]}, "input"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"},  # before its call

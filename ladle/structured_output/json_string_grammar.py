@@ -122,7 +122,7 @@ def _expand_imports(lark: str) -> str:
         if (alias or name) in defined:
             return
         defined[alias or name] = COMMON[name]
-        for used in _TERMINAL.findall(COMMON[name]):
+        for used in _TERMINAL.findall(re.sub(r'"[^"]*"|/[^/]*/', "", COMMON[name])):  # names, not literals
             need(used)
 
     def replace(m: re.Match[str]) -> str:

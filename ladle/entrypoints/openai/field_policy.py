@@ -46,7 +46,15 @@ _VERBOSITY = ("a length hint OpenAI's GPT-5 models were trained to follow; the m
 _EFFORT = ("counted only where the chat template has no control for the grade: with only a thinking switch (Qwen3's "
            "enable_thinking) the model thinks at its one grade for every value but none (which turns thinking off), "
            "with neither no value reaches it; a template that reads reasoning_effort gets every value")
+_HOSTED = ("a tool OpenAI runs on its side; none runs here, so it is not shown to the model, which answers as if it "
+           "chose not to call it (an offered tool is optional; tool_choice requiring it is a 400)")
 CHAT_EFFORT = "reasoning_effort=*"  # counted by serving_chat
+RESPONSES_EFFORT = "reasoning.effort=*"  # counted by serving_responses
+
+
+def hosted_tool(kind: str) -> str:
+    """The no-op entry of a hosted tool of this type, offered (counted by serving_responses)."""
+    return f"tools[].type={kind}"
 
 NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "user", _USER),
@@ -92,6 +100,22 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "service_tier", _TIER),
     NoOp("chat_completions", "verbosity", _VERBOSITY),
     NoOp("chat_completions", CHAT_EFFORT, _EFFORT, "value"),
+    NoOp("responses", "include", "asks for the reasoning encrypted, for a stateless client to send back; nothing "
+         "here is encrypted or kept: reasoning items carry the thinking as text, which comes back as it went"),
+    NoOp("responses", "prompt_cache_key", _CACHE_KEY),
+    NoOp("responses", "client_metadata", "client metadata (Codex's session and turn ids); nothing here reads it"),
+    NoOp("responses", "service_tier", _TIER),
+    NoOp("responses", "text.verbosity", _VERBOSITY),
+    NoOp("responses", "reasoning.summary", "asks for a summary of the reasoning, which OpenAI writes with another "
+         "model afterwards; none is written here (the reasoning item carries the thinking itself), and the model "
+         "generates the same either way"),
+    NoOp("responses", RESPONSES_EFFORT, _EFFORT, "value"),
+    *(NoOp("responses", hosted_tool(kind), _HOSTED, "value") for kind in (
+        "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+        "image_generation", "mcp")),
+    NoOp("responses", hosted_tool("local_shell"), "Codex's older shell tool, whose calls are items of their own "
+         "(local_shell_call) ladle does not write; not shown to the model, which answers as if it chose not to call "
+         "it (an offered tool is optional; tool_choice requiring it is a 400)", "value"),
 )
 
 

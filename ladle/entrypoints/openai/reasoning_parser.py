@@ -8,6 +8,7 @@ thinking (as vLLM's deepseek_r1 parser reads it). Text that may still be part of
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,3 +106,17 @@ class ReasoningStream:
             text = text.lstrip("\n")
             self._fresh = not text
         return text
+
+
+def thinking_tokens(parser: ReasoningParser, thinking: bool, token_ids: Iterable[int],
+                    text_of: Callable[[int], str]) -> int:
+    """How many of an output's tokens are its thinking, its tags included (usage's reasoning_tokens): the output
+    fed to a reasoning stream token by token, each counted when it finds or leaves the stream thinking. A count
+    of generated tokens, so never more than the output has (decoded text, encoded again, could be)."""
+    stream = parser.stream(thinking)
+    count = 0
+    for token_id in token_ids:
+        before = stream.state
+        stream.feed(text_of(token_id))
+        count += before == "thinking" or stream.state == "thinking"
+    return count

@@ -1,8 +1,9 @@
-"""The Responses API's answer: output items (reasoning, message, function_call) built from a choice's pieces,
-whole or as the API's event sequence: response.created, then per item output_item.added, its content part and
-deltas, their done events and output_item.done, then response.completed (or response.incomplete at
-max_output_tokens) carrying the whole output. Every event is numbered (sequence_number) and the response id never
-changes, as client.responses.stream() checks."""
+"""The Responses API's answer: output items (reasoning, message, function_call, custom_tool_call) built from a
+choice's pieces, whole or as the API's event sequence: response.created, then per item output_item.added, its
+content part and deltas (a call's arguments, a custom tool's input as it is decoded), their done events and
+output_item.done, then response.completed (or response.incomplete at max_output_tokens) carrying the whole
+output. Every event is numbered (sequence_number) and the response id never changes, as
+client.responses.stream() checks. Calls carry the client's names (responses_tools.ClientTool)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import secrets
 from typing import Any, Callable, Iterator
 
 from ladle.entrypoints.openai.chat_output import ChoicePiece
+from ladle.entrypoints.openai.responses_tools import ClientTool, InputStream, custom_input
 
 
 def item_id(prefix: str) -> str:
@@ -26,21 +28,30 @@ def message_item(text: str, status: str = "completed", mid: str | None = None) -
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-              fid: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": fid or item_id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+def tool_item(tool: ClientTool, call_id: str, payload: str, status: str = "completed") -> dict[str, Any]:
+    """A call: a function_call with its arguments, or a custom_tool_call with its input (payload); the namespace
+    beside the name for a namespace's tool."""
+    where = {"namespace": tool.namespace} if tool.namespace else {}
+    if tool.custom:
+        return {"type": "custom_tool_call", "id": item_id("ctc"), "call_id": call_id, "name": tool.name,
+                "input": payload, **where, "status": status}
+    return {"type": "function_call", "id": item_id("fc"), "call_id": call_id, "name": tool.name,
+            "arguments": payload, **where, "status": status}
 
 
 class ResponsesWriter:
     """The event sequence of one streamed response. response(status, output, usage) makes the Response object
     each lifecycle event carries."""
 
-    def __init__(self, response: Callable[[str, list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]]) -> None:
-        self.response = response
+    def __init__(self, response: Callable[[str, list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]],
+                 client: Callable[[str], ClientTool]) -> None:
+        """client: a call's tool as the client knows it, by the name the model wrote."""
+        self.response, self.client = response, client
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # the finished items
         self.open: dict[str, Any] | None = None  # the item being written, with its text so far
+        self.arguments = ""  # the open call's arguments as the model wrote them (a custom tool's, undecoded)
+        self.input: InputStream | None = None  # the open custom tool call's input, decoded as it comes
 
     def event(self, kind: str, data: dict[str, Any]) -> str:
         body = {"type": kind, "sequence_number": self.seq, **data}
@@ -54,18 +65,19 @@ class ResponsesWriter:
     def take(self, piece: ChoicePiece) -> Iterator[str]:
         if piece.reasoning:
             yield from self._text("reasoning", piece.reasoning)
-        if piece.content and not (self.open and self.open["type"] == "function_call" and not piece.content.strip()):
+        calling = self.open is not None and self.open["type"] in ("function_call", "custom_tool_call")
+        if piece.content and not (calling and not piece.content.strip()):
             yield from self._text("message", piece.content)
         for t in piece.tool_calls:
             if t.name is not None:
                 yield from self._close()
-                self.open = call_item(t.id or item_id("call"), t.name, "", "in_progress")
+                tool = self.client(t.name)
+                self.open = tool_item(tool, t.id or item_id("call"), "", "in_progress")
+                self.arguments, self.input = "", InputStream() if tool.custom else None
                 yield self.event("response.output_item.added", {"output_index": len(self.output),
                                                                 "item": dict(self.open)})
             if t.arguments and self.open is not None:
-                self.open["arguments"] += t.arguments
-                yield self.event("response.function_call_arguments.delta", {
-                    "item_id": self.open["id"], "output_index": len(self.output), "delta": t.arguments})
+                yield from self._arguments(t.arguments)
 
     def finish(self, status: str, usage: dict[str, Any]) -> Iterator[str]:
         yield from self._close("incomplete" if status == "incomplete" else "completed")
@@ -85,6 +97,19 @@ class ResponsesWriter:
         extra = {} if kind == "reasoning" else {"logprobs": []}
         yield self.event(delta_kind, {**self._where(), "delta": text, **extra})
 
+    def _arguments(self, delta: str) -> Iterator[str]:
+        assert self.open is not None
+        self.arguments += delta
+        where = {"item_id": self.open["id"], "output_index": len(self.output)}
+        if self.input is None:
+            self.open["arguments"] = self.arguments
+            yield self.event("response.function_call_arguments.delta", {**where, "delta": delta})
+            return
+        text = self.input.feed(self.arguments)
+        if text:
+            self.open["input"] += text
+            yield self.event("response.custom_tool_call_input.delta", {**where, "delta": text})
+
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
@@ -98,6 +123,10 @@ class ResponsesWriter:
         if item["type"] == "function_call":
             yield self.event("response.function_call_arguments.done", {
                 "item_id": item["id"], "output_index": index, "arguments": item["arguments"], "name": item["name"]})
+        elif item["type"] == "custom_tool_call":
+            item["input"] = custom_input(self.arguments)  # whole: the streamed pieces, or the text as written
+            yield self.event("response.custom_tool_call_input.done", {
+                "item_id": item["id"], "output_index": index, "input": item["input"]})
         else:
             part, where = item["content"][0], {"item_id": item["id"], "output_index": index, "content_index": 0}
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"

@@ -1,7 +1,8 @@
 """POST /v1/responses: the OpenAI Responses API, stateless, on the same engine, parsers and limits as chat. A
-request is read into a chat request (instructions to the system message, items to messages: a function_call to
-an assistant's tool call, its function_call_output to the tool's answer, reasoning to reasoning_content), and
-the answer written as output items, whole or streamed (ladle.entrypoints.openai.responses_stream)."""
+request is read into a chat request (instructions to the system message, items to messages: a function_call or
+custom_tool_call to an assistant's tool call, its output item to the tool's answer, reasoning to
+reasoning_content; tools as ladle.entrypoints.openai.responses_tools shows them), and the answer written as
+output items, whole or streamed (ladle.entrypoints.openai.responses_stream), calls under the client's names."""
 from __future__ import annotations
 
 import json
@@ -11,14 +12,20 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 
 from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
+from ladle.entrypoints.openai.field_policy import RESPONSES_EFFORT, hosted_tool
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
+from ladle.entrypoints.openai.reasoning_effort import effort_kwargs
+from ladle.entrypoints.openai.reasoning_parser import thinking_tokens
 from ladle.entrypoints.openai.responses_protocol import (
-    FunctionCallItem, FunctionCallOutputItem, ItemReference, MessageItem, Part, ReasoningItem, ResponsesRequest,
-    TextPart,
+    CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem, FunctionCallOutputItem, ItemReference,
+    MessageItem, Part, ReasoningItem, ResponsesRequest, TextPart,
 )
-from ladle.entrypoints.openai.responses_stream import ResponsesWriter, call_item, message_item, reasoning_item
+from ladle.entrypoints.openai.responses_stream import ResponsesWriter, message_item, reasoning_item, tool_item
+from ladle.entrypoints.openai.responses_tools import (
+    ResponsesTools, custom_arguments, custom_input, model_name, responses_tools,
+)
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
-from ladle.entrypoints.openai.serving_engine import respond, sse_error
+from ladle.entrypoints.openai.serving_engine import client_of, respond, sse_error
 
 
 class OpenAIServingResponses:
@@ -33,10 +40,15 @@ class OpenAIServingResponses:
         if req.store:
             raise OpenAIError(400, "store: this server stores no responses; send store: false (or leave it out)",
                               code="unsupported_parameter", param="store")
-        prepared = await self.chat.prepare(to_chat(req), "resp")
+        tools = responses_tools(req.tools)
+        prepared = await self.chat.prepare(to_chat(req, tools), "resp", client=client_of(raw_request),
+                                           grammars=tools.grammars)
+        self.ctx.metrics.no_ops("responses", [hosted_tool(kind) for kind in sorted(set(tools.hosted))] + (
+            [RESPONSES_EFFORT] if req.reasoning and effort_kwargs(req.reasoning.effort, self.chat.effort_controls)[1]
+            else []))
         created = int(time.time())
-        return await respond(prepared.stream, self._events(req, prepared, created),  # type: ignore[arg-type]
-                             lambda: self._whole(req, prepared, created), req.stream, raw_request)
+        return await respond(prepared.stream, self._events(req, prepared, created, tools),  # type: ignore[arg-type]
+                             lambda: self._whole(req, prepared, created, tools), req.stream, raw_request)
 
     def _response(self, req: ResponsesRequest, p: PreparedChat, created: int, status: str,
                   output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -51,24 +63,28 @@ class OpenAIServingResponses:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str) else
             (choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []],
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": None, "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                                                         "summary": None},
-            "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "store": False, "usage": usage,
+            "text": {"format": fmt or {"type": "text"}, "verbosity": req.text.verbosity if req.text else None},
+            "truncation": "disabled", "store": False, "usage": usage,
         }
 
-    def _usage(self, p: PreparedChat, reasoning: str) -> dict[str, Any]:
+    def _usage(self, p: PreparedChat) -> dict[str, Any]:
+        """Tokens as the engine counted them: cached_tokens the prefix cache served, reasoning_tokens the
+        generated tokens of the thinking (never more than output_tokens)."""
         assert p.stream is not None
         u = p.stream.usage
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-        thought = len(self.ctx.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        parser = self.ctx.chat.reasoning
+        thought = thinking_tokens(parser, p.thinking, p.stream.choices[0].token_ids, p.stream.texts) if parser else 0
         return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached,
                                                                           "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
                 "total_tokens": u.prompt_tokens + u.completion_tokens}
 
-    def _whole(self, req: ResponsesRequest, p: PreparedChat, created: int) -> Iterator[bytes]:
+    def _whole(self, req: ResponsesRequest, p: PreparedChat, created: int, tools: ResponsesTools) -> Iterator[bytes]:
         assert p.stream is not None
         c = p.stream.choices[0]
         piece, calls = read_whole(self.ctx.chat, p.plan, p.thinking, c.detok.output_text,
@@ -77,18 +93,21 @@ class OpenAIServingResponses:
         output = [reasoning_item(piece.reasoning)] if piece.reasoning else []
         if piece.content and not (calls and not piece.content.strip()):
             output.append(message_item(piece.content))
-        output += [call_item(t.id, t.name, t.arguments) for t in calls]
+        for t in calls:
+            tool = tools.client(t.name)
+            output.append(tool_item(tool, t.id, custom_input(t.arguments) if tool.custom else t.arguments))
         if output and status == "incomplete":
             output[-1]["status"] = "incomplete"
-        body = self._response(req, p, created, status, output, self._usage(p, piece.reasoning))
+        body = self._response(req, p, created, status, output, self._usage(p))
         yield json.dumps(body, ensure_ascii=False).encode()
 
-    async def _events(self, req: ResponsesRequest, p: PreparedChat, created: int) -> AsyncIterator[str]:
+    async def _events(self, req: ResponsesRequest, p: PreparedChat, created: int,
+                      tools: ResponsesTools) -> AsyncIterator[str]:
         stream = p.stream
         assert stream is not None
-        writer = ResponsesWriter(lambda status, output, usage: self._response(req, p, created, status, output, usage))
+        writer = ResponsesWriter(lambda status, output, usage: self._response(req, p, created, status, output, usage),
+                                 tools.client)
         reader = ChoiceReader(self.ctx.chat, p.plan, p.thinking, self.ctx.count_tool_calls)
-        thought: list[str] = []
         for out in writer.start():
             yield out
         try:
@@ -96,11 +115,10 @@ class OpenAIServingResponses:
                 for d in deltas:
                     pieces = [reader.feed(d.text)] + ([reader.finish()] if d.finish_reason is not None else [])
                     for piece in pieces:
-                        thought.append(piece.reasoning)
                         for out in writer.take(piece):
                             yield out
             status = "incomplete" if stream.choices[0].finish_reason == "length" else "completed"
-            for out in writer.finish(status, self._usage(p, "".join(thought))):
+            for out in writer.finish(status, self._usage(p)):
                 yield out
         except OpenAIError as e:
             yield sse_error(e)
@@ -108,8 +126,9 @@ class OpenAIServingResponses:
             stream.abort()  # no-op when it finished; a client that hung up frees its KV blocks here
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request is; 400 naming what cannot be served."""
+def to_chat(req: ResponsesRequest, tools: ResponsesTools) -> ChatCompletionRequest:
+    """The chat request a Responses request is, its tools as tools shows them; 400 naming what cannot be
+    served."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     thought: list[str] = []
@@ -126,10 +145,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             if role == "assistant" and thought:
                 msg["reasoning_content"], thought = "".join(thought), []
             messages.append(msg)
-        elif isinstance(item, FunctionCallItem):
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
             called.add(item.call_id)
+            arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": model_name(item.name, item.namespace), "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not last.get("_answered"):
                 last.setdefault("tool_calls", []).append(call)
@@ -137,11 +157,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             if thought:
                 messages[-1]["reasoning_content"], thought = "".join(thought), []
-        elif isinstance(item, FunctionCallOutputItem):
+        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
             if item.call_id not in called:  # as OpenAI answers it: an output needs its call earlier in input
-                raise OpenAIError(400, f"input[{i}]: no tool call found for function call output with call_id "
-                                  f"{clip(item.call_id)!r} (a function_call_output answers a function_call earlier "
-                                  "in input)", code="invalid_value", param=f"input[{i}].call_id")
+                raise OpenAIError(400, f"input[{i}]: no tool call found for {item.type} with call_id "
+                                  f"{clip(item.call_id)!r} (a {item.type} answers a call earlier in input)",
+                                  code="invalid_value", param=f"input[{i}].call_id")
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1]["_answered"] = True
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, i)})
@@ -149,12 +169,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         m.pop("_answered", None)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "stream": req.stream}
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                         for t in req.tools]
-    if req.tool_choice is not None:
-        body["tool_choice"] = (req.tool_choice if isinstance(req.tool_choice, str) else
-                               {"type": "function", "function": {"name": req.tool_choice.name}})
+    if tools.functions:
+        body["tools"] = tools.functions
+    choice = tools.chat_choice(req.tool_choice)
+    if choice is not None:
+        body["tool_choice"] = choice
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
     for name in ("temperature", "top_p"):
