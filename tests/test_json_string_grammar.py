@@ -133,6 +133,8 @@ def test_apply_patch_holds_in_a_json_string(lltok, tokenizer):
     ("start: X\n%import common.ESCAPED_STRING -> X", "common terminals"),
     ("start: /[[:alpha:]]/", "cannot be rewritten"),
     ('start: @other', "grammar references"),
+    ("start: /" + "." * 16_000 + "/", "passes 1048576 characters"),  # each class is some 330 characters
+    ("start: " + '"a" ' * 5_000, "at most 16384"),
 ])
 def test_what_cannot_be_rewritten_is_refused_by_name(grammar, named):
     with pytest.raises(UnsupportedGrammar, match=re.escape(named)):

@@ -28,6 +28,8 @@ from typing import Any
 import re._constants as sre  # noqa: E402
 import re._parser as sre_parse  # noqa: E402
 
+from ladle.structured_output.limits import GrammarLimits
+
 _ESCAPED = frozenset(chr(c) for c in range(0x20)) | {'"', "\\"}  # what a JSON string cannot hold as itself
 _PLAIN = r"[^\x{0}-\x{1F}\x{22}\x{5C}]"  # every character that stands as itself
 _SPACE = frozenset("\t\n\x0b\x0c\r")  # the escaped characters Rust's \s matches (White_Space)
@@ -65,8 +67,19 @@ class UnsupportedGrammar(ValueError):
     """What in a grammar cannot be rewritten for a JSON string; the message names it."""
 
 
-def json_string_grammar(lark: str) -> str:
-    """The Lark grammar of the JSON-escaped texts of lark's language (see the module's docstring)."""
+# A custom tool's grammar is rewritten in the API process as its request is read (Codex's apply_patch has 700
+# characters; rewriting 16K of distinct classes takes some 0.1 s, a megabyte of them seconds).
+MAX_INPUT_CHARS = 16_384
+
+
+def json_string_grammar(lark: str, max_chars: int = GrammarLimits().max_chars) -> str:
+    """The Lark grammar of the JSON-escaped texts of lark's language (see the module's docstring); it may not
+    pass max_chars (a class becomes some 1,500 characters, so a small grammar of many classes could become a
+    huge one)."""
+    if len(lark) > MAX_INPUT_CHARS:
+        raise UnsupportedGrammar(f"the grammar has {len(lark)} characters; this server rewrites grammars of at most "
+                                 f"{MAX_INPUT_CHARS} for a JSON string")
+    budget = _Budget(max_chars)
     out: list[str] = []
     tokens = [(m.lastgroup or "", m.group()) for m in _TOKEN.finditer(_expand_imports(lark))]
     i = 0
@@ -80,13 +93,13 @@ def json_string_grammar(lark: str) -> str:
             if len(low) != 1 or len(high) != 1:
                 raise UnsupportedGrammar(f"a range must join two one-character strings: {value} .. "
                                          f"{tokens[last][1][:20]}")
-            out.append(_Rewriter(False, False).charset([(sre.RANGE, (ord(low), ord(high)))], False))
+            out.append(_Rewriter(False, False, budget).charset([(sre.RANGE, (ord(low), ord(high)))], False))
             i = last + 1
             continue
         if kind == "string":
-            out.append(_string(value))
+            out.append(_string(value, budget))
         elif kind == "regex":
-            out.append(_regex(value))
+            out.append(_regex(value, budget))
         elif kind == "name" and _TERMINAL.fullmatch(value):
             out.append(f"t__{value.lower()}")  # a terminal is a rule now: its escapes are lexemes of their own
         elif kind == "directive" and value in _REFUSED:
@@ -152,14 +165,14 @@ def _literal(text: str) -> str:
     return json.dumps(json.dumps(text, ensure_ascii=False)[1:-1], ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def _string(token: str) -> str:
+def _string(token: str, budget: _Budget) -> str:
     text = _lark_string(token)
     if token.endswith("i"):  # case-insensitive: the letters of the escapes themselves keep their case
-        return _Rewriter(True, False).seq(list(sre_parse.parse(re.escape(text), 0)))
+        return _Rewriter(True, False, budget).seq(list(sre_parse.parse(re.escape(text), 0)))
     return _literal(text)
 
 
-def _regex(token: str) -> str:
+def _regex(token: str, budget: _Budget) -> str:
     end = token.rindex("/")
     body, flags = token[1:end], token[end + 1:]
     bad = sorted(set(flags) - set("isx"))
@@ -176,7 +189,7 @@ def _regex(token: str) -> str:
     except (re.error, FutureWarning, DeprecationWarning) as e:
         raise UnsupportedGrammar(f"the regex {token[:40]} cannot be read ({e})") from None
     seen = parsed.state.flags
-    return _Rewriter(bool(seen & re.IGNORECASE), bool(seen & re.DOTALL) or "s" in flags).seq(list(parsed))
+    return _Rewriter(bool(seen & re.IGNORECASE), bool(seen & re.DOTALL) or "s" in flags, budget).seq(list(parsed))
 
 
 def _char(c: str) -> str:
@@ -185,11 +198,26 @@ def _char(c: str) -> str:
     return c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):X}}}"
 
 
+class _Budget:
+    """The characters a rewrite may still write in classes (what else it writes is bounded by its input's)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars, self.left = max_chars, max_chars
+        self.classes: dict[Any, str] = {}  # each class rewritten once: grammars repeat theirs
+
+    def spend(self, text: str) -> str:
+        self.left -= len(text)
+        if self.left < 0:
+            raise UnsupportedGrammar(f"rewritten for a JSON string, the grammar passes {self.max_chars} characters, "
+                                     "the most this server compiles")
+        return text
+
+
 class _Rewriter:
     """Rebuilds a parsed regex as a Lark expression over escaped text."""
 
-    def __init__(self, ignorecase: bool, dotall: bool) -> None:
-        self.ignorecase, self.dotall = ignorecase, dotall
+    def __init__(self, ignorecase: bool, dotall: bool, budget: _Budget) -> None:
+        self.ignorecase, self.dotall, self.budget = ignorecase, dotall, budget
 
     def seq(self, items: list[tuple[Any, Any]]) -> str:
         parts: list[str] = []
@@ -239,6 +267,12 @@ class _Rewriter:
     def charset(self, items: list[tuple[Any, Any]], negate: bool, runs: bool = False) -> str:
         """A character class: a lexeme of its characters that stand as themselves (runs of them, with runs),
         or'ed with the escapes of its others, each a lexeme."""
+        key = (tuple(items), negate, runs, self.ignorecase)
+        if key not in self.budget.classes:
+            self.budget.classes[key] = self._charset(items, negate, runs)
+        return self.budget.spend(self.budget.classes[key])
+
+    def _charset(self, items: list[tuple[Any, Any]], negate: bool, runs: bool) -> str:
         escaped = sorted(c for c in _ESCAPED if self._member(items, c) != negate)
         parts = []
         if negate or not all(self._within_escaped(op, av) for op, av in items):
