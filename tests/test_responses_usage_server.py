@@ -1,14 +1,16 @@
 """Usage and reasoning through /v1/responses on a random-weight checkpoint in Qwen3.5's chat format, whose
 template opens the thinking block: reasoning_tokens are the generated tokens of the thinking (all of them when
-the budget ends inside it), reasoning.effort none closes the block (no thinking, none counted), and a forced
+the budget ends inside it), reasoning.effort none closes the block (no thinking, none counted), a grade the
+template has no control for is counted on /metrics (chat's reasoning_effort too), and a forced
 call to a custom tool held to a Lark grammar is a 400 naming the tool in a format that writes its input as raw
 text (qwen3_coder)."""
 from __future__ import annotations
 
 import pytest
 
+from ladle.entrypoints.openai.field_policy import CHAT_EFFORT, RESPONSES_EFFORT
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
-from server_harness import ServerProcess, assert_error_envelope, openai_client, served_model
+from server_harness import ServerProcess, assert_error_envelope, metric, openai_client, served_model
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -43,6 +45,20 @@ def test_effort_none_closes_the_thinking_block(client):
                                 temperature=0, reasoning={"effort": "none"})
     assert "reasoning" not in [item.type for item in r.output], r.output
     assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.usage.output_tokens > 0
+
+
+def test_a_grade_the_template_has_no_control_for_is_counted(server, client):
+    """Qwen3.5's template has a thinking switch only: none turns it off (honoured), high thinks at the one grade
+    (counted as taken without effect), in both APIs."""
+    m, before = served_model(client), server.metrics()
+    for effort in ("none", "high"):
+        client.responses.create(model=m, input="hi", max_output_tokens=2, reasoning={"effort": effort})
+        client.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       reasoning_effort=effort)
+    after = server.metrics()
+    for api, field in (("responses", RESPONSES_EFFORT), ("chat_completions", CHAT_EFFORT)):
+        assert metric(after, "ladle:no_op_fields_total", api=api, field=field) == metric(
+            before, "ladle:no_op_fields_total", api=api, field=field) + 1, (api, field)
 
 
 def test_a_lark_grammar_cannot_be_forced_in_a_raw_text_format(server, client):
