@@ -64,6 +64,7 @@ def test_custom_tools_are_functions_of_one_string():
     assert tools.grammars == {"apply_patch": PATCH["format"]["definition"]}  # the regex is the schema's pattern
     assert tools.client("agents.note") == ClientTool("note", "agents", custom=True)
     assert custom_input('{"input": "a\\nb"}') == "a\nb" and custom_input('{"x": 1}') == '{"x": 1}'
+    assert custom_input('{"input": "\\ud800\\ud83d\\ude00"}') == "\ufffd\U0001F600"  # a lone half: replaced
 
 
 def test_calls_sent_back_are_shown_under_the_names_the_model_knows():

@@ -156,7 +156,7 @@ def _lark_string(token: str) -> str:
     body = re.sub(r"\\x([0-9a-fA-F]{2})", lambda m: f"\\u00{m.group(1)}", body)
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise UnsupportedGrammar(f"the string {token[:40]} cannot be read") from None
 
 
@@ -186,8 +186,8 @@ def _regex(token: str, budget: _Budget) -> str:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a FutureWarning marks syntax Python reads differently
             parsed = sre_parse.parse(body.replace("\\/", "/"), py_flags)
-    except (re.error, FutureWarning, DeprecationWarning) as e:
-        raise UnsupportedGrammar(f"the regex {token[:40]} cannot be read ({e})") from None
+    except (re.error, FutureWarning, DeprecationWarning, OverflowError, RecursionError, ValueError) as e:
+        raise UnsupportedGrammar(f"the regex {token[:40]} cannot be read ({str(e)[:80]})") from None
     seen = parsed.state.flags
     return _Rewriter(bool(seen & re.IGNORECASE), bool(seen & re.DOTALL) or "s" in flags, budget).seq(list(parsed))
 

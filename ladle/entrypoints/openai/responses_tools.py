@@ -145,8 +145,18 @@ def custom_input(arguments: str) -> str:
         text = stream.feed(arguments)
         return text if stream.pos is not None else arguments
     if isinstance(value, dict) and isinstance(value.get(INPUT), str):
-        return value[INPUT]
+        return _whole_characters(value[INPUT])
     return arguments
+
+
+def _whole_characters(text: str) -> str:
+    """text with each lone half of a surrogate pair (a \\ud800 the model wrote, which UTF-8 cannot carry) as the
+    replacement character."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 _HEAD = re.compile(r'\s*\{\s*"' + INPUT + r'"\s*:\s*"')
