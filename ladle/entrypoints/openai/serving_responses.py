@@ -43,9 +43,10 @@ class OpenAIServingResponses:
         tools = responses_tools(req.tools)
         prepared = await self.chat.prepare(to_chat(req, tools), "resp", client=client_of(raw_request),
                                            grammars=tools.grammars)
-        self.ctx.metrics.no_ops("responses", [hosted_tool(kind) for kind in sorted(set(tools.hosted))] + (
-            [RESPONSES_EFFORT] if req.reasoning and effort_kwargs(req.reasoning.effort, self.chat.effort_controls)[1]
-            else []))
+        ignored = [hosted_tool(kind) for kind in sorted(set(tools.hosted))]  # offered, not shown
+        if req.reasoning and effort_kwargs(req.reasoning.effort, self.chat.effort_controls)[1]:
+            ignored.append(RESPONSES_EFFORT)
+        self.ctx.metrics.no_ops("responses", ignored)
         created = int(time.time())
         return await respond(prepared.stream, self._events(req, prepared, created, tools),  # type: ignore[arg-type]
                              lambda: self._whole(req, prepared, created, tools), req.stream, raw_request)
