@@ -15,15 +15,15 @@ def recorded_requests() -> dict[str, dict[str, Any]]:
 
 
 def tool_schemas(body: dict[str, Any]) -> dict[str, Any]:
-    """Each function tool's parameters by name, whatever the API: Anthropic's input_schema, the Responses API's
-    functions (those in a namespace too), Chat Completions' function.parameters. Built-in tools (web_search)
-    have no schema of the client's and are left out."""
+    """Each function tool's parameters by the name the model is shown, whatever the API: Anthropic's input_schema,
+    the Responses API's functions (in a namespace: `<namespace>.<name>`, as ladle flattens them), Chat Completions'
+    function.parameters. Built-in tools (web_search) have no schema of the client's and are left out."""
     out: dict[str, Any] = {}
     for tool in body.get("tools") or []:
         if "input_schema" in tool:
             out[tool["name"]] = tool["input_schema"]
         elif tool.get("type") == "namespace":
-            out.update(tool_schemas({"tools": tool["tools"]}))
+            out.update({f"{tool['name']}.{name}": s for name, s in tool_schemas({"tools": tool["tools"]}).items()})
         elif tool.get("type") == "function" and "function" in tool:
             out[tool["function"]["name"]] = tool["function"].get("parameters") or {}
         elif tool.get("type") == "function":
