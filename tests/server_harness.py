@@ -217,3 +217,14 @@ def openai_client(server: ServerProcess) -> Any:
 
 def served_model(client: Any) -> str:
     return client.models.list().data[0].id
+
+
+def recorded_client_server(tmp_path_factory: Any, label: str, served_name: str) -> "ServerProcess":
+    """A server for an agent client's recorded request: a tool-calling Qwen3 with a 4,096-token vocabulary (the
+    recordings come to 10-28K tokens on it) and 32K of context, served under the name the recording asked for."""
+    from ladle.testing.tool_checkpoints import build_tool_checkpoint
+
+    model = build_tool_checkpoint(tmp_path_factory.mktemp(f"qwen3_{label}"), "qwen3", seed=2, vocab_size=4096,
+                                  max_position_embeddings=32768)
+    return ServerProcess(model, tmp_path_factory.mktemp(label), "--max-model-len", "32768",
+                         "--served-model-name", served_name).start()

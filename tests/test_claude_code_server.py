@@ -16,8 +16,7 @@ import jsonschema
 import pytest
 
 from ladle.entrypoints.openai.field_policy import BILLING_HEADER, KEEP_ALL_THINKING, MESSAGES_EFFORT
-from ladle.testing.tool_checkpoints import build_tool_checkpoint
-from server_harness import ServerProcess, metric
+from server_harness import metric, recorded_client_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -29,12 +28,7 @@ NO_OPS = "ladle:no_op_fields_total"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # A 4,096-token vocabulary puts the recorded request at about 28K tokens.
-    model = build_tool_checkpoint(tmp_path_factory.mktemp("qwen3_claude_code"), "qwen3", seed=2, vocab_size=4096,
-                                  max_position_embeddings=32768)
-    # Served under the name the recording asked for.
-    srv = ServerProcess(model, tmp_path_factory.mktemp("claude-code"), "--max-model-len", "32768",
-                        "--served-model-name", RECORDED["body"]["model"]).start()
+    srv = recorded_client_server(tmp_path_factory, "claude_code", RECORDED["body"]["model"])
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from ladle.entrypoints.openai.field_policy import hosted_tool
-from ladle.testing.tool_checkpoints import build_tool_checkpoint
-from server_harness import ServerProcess, assert_error_envelope, metric, openai_client, sse_events
+from server_harness import assert_error_envelope, metric, openai_client, recorded_client_server, sse_events
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -39,11 +38,7 @@ AGENTS = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # A 4,096-token vocabulary puts the recorded request at about 10K tokens; served under its recorded name.
-    model = build_tool_checkpoint(tmp_path_factory.mktemp("qwen3_codex"), "qwen3", seed=2, vocab_size=4096,
-                                  max_position_embeddings=32768)
-    srv = ServerProcess(model, tmp_path_factory.mktemp("codex"), "--max-model-len", "32768",
-                        "--served-model-name", RECORDED["body"]["model"]).start()
+    srv = recorded_client_server(tmp_path_factory, "codex", RECORDED["body"]["model"])
     yield srv
     assert srv.stop() == 0, srv.log()
 
