@@ -13,6 +13,7 @@ import pytest
 
 from ladle.entrypoints.openai.chat_output import ChoicePiece
 from ladle.entrypoints.openai.messages_stream import BlockWriter
+from ladle.entrypoints.openai.thinking_signature import seal, unseal
 from ladle.entrypoints.openai.tool_parsers.base import ToolCallDelta
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
 from server_harness import ServerProcess
@@ -143,3 +144,39 @@ def test_blocks_are_numbered_without_gaps_and_tool_input_goes_out_whole():
               and d["delta"]["type"] == "input_json_delta"]
     assert inputs == ['{"city": "Paris", "days": 2}', "{}"]  # whole, and a broken one never goes out
     assert all(name == d["type"] for name, d in parsed)
+
+
+def test_omitted_thinking_goes_out_sealed_in_its_signature():
+    """thinking.display "omitted": no thinking deltas, the block's text empty, its reasoning in the signature."""
+    w = BlockWriter(lambda call_id: "toolu_" + call_id, omit_thinking=True)
+    events = [*w.take(ChoicePiece(reasoning="hmm")), *w.take(ChoicePiece(reasoning=" ok", content="Sure.")),
+              *w.close()]
+    parsed = [json.loads(e.split("\n")[1][6:]) for e in events]
+    deltas = [d["delta"] for d in parsed if d["type"] == "content_block_delta"]
+    assert [d["type"] for d in deltas] == ["signature_delta", "text_delta"]
+    assert unseal("", deltas[0]["signature"]) == "hmm ok"
+    assert unseal("shown", deltas[0]["signature"]) == "shown"  # a block with text is taken as sent
+    with pytest.raises(ValueError, match="signature is not one ladle wrote"):
+        unseal("", "ladle.r1.@@@")
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_an_omitted_thinking_block_sent_back_renders_as_the_shown_one(server, client):
+    """The next turn sees the reasoning an omitted block sealed, exactly as if it had been shown: Qwen3's template
+    keeps the reasoning of a turn after the last user message, so the counts are equal and above the bare turn's."""
+    m = model(server)
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 1}}
+
+    def count(thinking: list[dict]) -> int:
+        turns = [*ASK, {"role": "assistant", "content": [*thinking, call]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sun"}]}]
+        return client.messages.count_tokens(model=m, messages=turns, tools=TOOLS).input_tokens
+
+    reasoning = "Paris is in France; one day is enough."
+    shown = count([{"type": "thinking", "thinking": reasoning, "signature": "ladle"}])
+    assert shown == count([{"type": "thinking", "thinking": "", "signature": seal(reasoning)}]) > count([])
+    r = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": KEY}, json={
+        "model": m, "max_tokens": 5, "tools": TOOLS, "messages": [*ASK, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "", "signature": "ladle.r1.%%%"}, call]}]})
+    assert r.status_code == 400 and "signature is not one ladle wrote" in r.json()["error"]["message"], r.text

@@ -122,6 +122,9 @@ class ThinkingConfig(_Request):
     type: Literal["enabled", "disabled", "adaptive"]
     # A target, as Anthropic documents it (the model may stop short of it): not enforced here.
     budget_tokens: int | None = Field(None, ge=1)
+    # "omitted": thinking blocks go out empty, their reasoning sealed in the signature (thinking_signature.py);
+    # "summarized" (Anthropic's default) gets the whole reasoning: ladle writes no summaries, and the reasoning is
+    # what a summary would shorten.
     display: Literal["summarized", "omitted"] | None = None
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator
 
 from ladle.entrypoints.openai.chat_output import ChoicePiece
 from ladle.entrypoints.openai.protocol import UsageInfo
+from ladle.entrypoints.openai.thinking_signature import SHOWN, seal
 
 
 def event(name: str, data: dict[str, Any]) -> str:
@@ -37,18 +38,24 @@ def stop_reason(finish: str | None, matched: int | str | None, called: bool) -> 
 class BlockWriter:
     """Content blocks as a choice's pieces come. A tool_use block's input goes out whole when the block closes,
     once it parses: the client re-parses the running concatenation of its input_json_delta events as JSON on
-    every one, so a piece that is not the start of valid JSON would break it."""
+    every one, so a piece that is not the start of valid JSON would break it. With omit_thinking (the request's
+    thinking.display "omitted") a thinking block has no deltas: its reasoning goes sealed in its signature."""
 
-    def __init__(self, tool_id: Callable[[str], str]) -> None:
+    def __init__(self, tool_id: Callable[[str], str], omit_thinking: bool = False) -> None:
         self.tool_id = tool_id
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.kind: str | None = None  # the open block's type
         self.arguments = ""
+        self.reasoning = ""  # an omitted thinking block's, until it closes
 
     def take(self, piece: ChoicePiece) -> Iterator[str]:
         if piece.reasoning:
             yield from self._open("thinking", {"thinking": "", "signature": ""})
-            yield self._delta({"type": "thinking_delta", "thinking": piece.reasoning})
+            if self.omit_thinking:
+                self.reasoning += piece.reasoning
+            else:
+                yield self._delta({"type": "thinking_delta", "thinking": piece.reasoning})
         if piece.content and not (self.kind == "tool_use" and not piece.content.strip()):
             yield from self._open("text", {"text": ""})
             yield self._delta({"type": "text_delta", "text": piece.content})
@@ -77,7 +84,9 @@ class BlockWriter:
         if self.kind is None:
             return
         if self.kind == "thinking":
-            yield self._delta({"type": "signature_delta", "signature": "ladle"})
+            signature = seal(self.reasoning) if self.omit_thinking else SHOWN
+            yield self._delta({"type": "signature_delta", "signature": signature})
+            self.reasoning = ""
         elif self.kind == "tool_use":
             try:
                 whole = json.loads(self.arguments)

@@ -28,6 +28,7 @@ from ladle.entrypoints.openai.messages_stream import BlockWriter, event, stop_re
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import client_of, respond
+from ladle.entrypoints.openai.thinking_signature import SHOWN, seal, unseal
 
 
 def tool_use_id(call_id: str) -> str:
@@ -52,7 +53,8 @@ class AnthropicServingMessages:
             taken.append(MESSAGES_EFFORT)  # the template has no control for it (reasoning_effort.py)
         self.ctx.metrics.no_ops("messages", no_ops + taken)
         prepared = await self.chat.prepare(chat, "msg", client=client_of(raw_request))
-        return await respond(prepared.stream, self._events(prepared), lambda: self._message(prepared),  # type: ignore[arg-type]
+        omit = req.thinking is not None and req.thinking.display == "omitted"
+        return await respond(prepared.stream, self._events(prepared, omit), lambda: self._message(prepared, omit),  # type: ignore[arg-type]
                              req.stream, raw_request)
 
     async def _chat(self, req: CountTokensRequest, max_tokens: int | None,
@@ -84,7 +86,7 @@ class AnthropicServingMessages:
         ids, _, _ = await self.ctx.pool.run(lambda tok: render(tok, prompt, False), chars(prompt))
         return len(ids)
 
-    def _message(self, p: PreparedChat) -> Iterator[bytes]:
+    def _message(self, p: PreparedChat, omit_thinking: bool) -> Iterator[bytes]:
         stream = p.stream
         assert stream is not None
         c = stream.choices[0]
@@ -92,7 +94,8 @@ class AnthropicServingMessages:
                                   self.ctx.count_tool_calls)
         content: list[dict[str, Any]] = []
         if piece.reasoning:
-            content.append({"type": "thinking", "thinking": piece.reasoning, "signature": "ladle"})
+            content.append({"type": "thinking", "thinking": "", "signature": seal(piece.reasoning)} if omit_thinking
+                           else {"type": "thinking", "thinking": piece.reasoning, "signature": SHOWN})
         if piece.content and not (calls and not piece.content.strip()):
             content.append({"type": "text", "text": piece.content})
         for t in calls:
@@ -102,11 +105,11 @@ class AnthropicServingMessages:
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(stream.usage)}
         yield json.dumps(body, ensure_ascii=False).encode()
 
-    async def _events(self, p: PreparedChat) -> AsyncIterator[str]:
+    async def _events(self, p: PreparedChat, omit_thinking: bool) -> AsyncIterator[str]:
         stream = p.stream
         assert stream is not None
         reader = ChoiceReader(self.ctx.chat, p.plan, p.thinking, self.ctx.count_tool_calls)
-        blocks = BlockWriter(tool_use_id)
+        blocks = BlockWriter(tool_use_id, omit_thinking)
         started = False
         try:
             async for deltas in stream.deltas():
@@ -229,7 +232,10 @@ def _messages(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
             calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(
                 b.input, ensure_ascii=False)}})
         elif isinstance(b, ThinkingBlock):
-            thoughts.append(b.thinking)
+            try:
+                thoughts.append(unseal(b.thinking, b.signature))
+            except ValueError as e:
+                raise OpenAIError(400, f"messages[{i}].content[{j}]: {e}", param="messages") from None
         elif isinstance(b, ToolResultBlock):
             results.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": ("Error: " if b.is_error else "") + b.text()})
