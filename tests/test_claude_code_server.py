@@ -1,5 +1,6 @@
 """Claude Code 2.1.197's recorded first request through the server with the official anthropic client's beta
-namespace (which sends it as Claude Code does: /v1/messages?beta=true with its anthropic-beta values), on a
+namespace, sent as Claude Code sends it (/v1/messages?beta=true, the query set here as Claude Code's own client
+sets it, with its anthropic-beta values), on a
 random-weight Qwen3 in Qwen3's chat format: served streamed and not, counted by count_tokens as /v1/messages
 renders it, its prompt served from the prefix cache by the next session (usage's cache_read_input_tokens), its
 context_management edits and output_config honoured, and what ladle cannot honour refused by name."""
@@ -35,7 +36,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=600)
+    return anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=600,
+                               default_query={"beta": "true"})
 
 
 def claude_code(session: str | None = None, **changes) -> dict:
@@ -75,7 +77,7 @@ def test_the_recorded_request_is_served_and_count_tokens_counts_its_prompt(serve
     after = server.metrics()
     # output_config.effort too: Qwen3's template reads no reasoning_effort.
     for field in [BILLING_HEADER, KEEP_ALL_THINKING, MESSAGES_EFFORT, "metadata", "messages[].content[].cache_control",
-                  "system[].cache_control"] + [f"anthropic-beta: {b}" for b in BETAS]:
+                  "system[].cache_control", "?beta=true"] + [f"anthropic-beta: {b}" for b in BETAS]:
         assert metric(after, NO_OPS, api="messages", field=field) == metric(before, NO_OPS, api="messages",
                                                                            field=field) + 1, field
 
@@ -168,3 +170,7 @@ def test_what_ladle_cannot_honour_is_a_400_naming_it(server):
             assert r.status_code == 400, (path, r.text)
             err = r.json()
             assert err["type"] == "error" and words in err["error"]["message"], (path, err)
+    for path in ("/v1/messages?beta=true&stream=true", "/v1/messages/count_tokens?beta=false"):
+        sent = {k: v for k, v in body.items() if k != "max_tokens"} if "count" in path else body
+        r = httpx.post(server.base_url + path, json=sent, timeout=30)  # a query parameter would go unread
+        assert r.status_code == 400 and "is not one this route takes" in r.json()["error"]["message"], r.text

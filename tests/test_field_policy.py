@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ladle.entrypoints.openai.anthropic_protocol import MessagesRequest
-from ladle.entrypoints.openai.field_policy import NO_OPS, header_no_ops, no_op_fields
+from ladle.entrypoints.openai.field_policy import NO_OPS, header_no_ops, no_op_fields, query_no_ops
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -45,7 +45,7 @@ def test_every_no_op_names_a_field_its_api_declares():
     models = {"chat_completions": ChatCompletionRequest, "completions": CompletionRequest,
               "messages": MessagesRequest, "responses": ResponsesRequest}
     for n in NO_OPS:
-        if n.kind == "header":
+        if n.kind in ("header", "query"):
             continue
         model, parts = models[n.api], n.path.split("=")[0].replace("[]", "").split(".")  # a value names its field
         for i, part in enumerate(parts[:-1]):
@@ -61,6 +61,15 @@ def test_header_values_are_no_ops_by_name_and_others_are_refused():
     assert header_no_ops("messages", "anthropic-beta", None) == []
     with pytest.raises(OpenAIError, match="'files-api-2025-04-14' is not a value this server knows"):
         header_no_ops("messages", "anthropic-beta", "effort-2025-11-24,files-api-2025-04-14")
+
+
+def test_query_parameters_are_no_ops_by_name_and_others_are_refused():
+    assert query_no_ops("messages", {"beta": "true"}) == ["?beta=true"]
+    assert query_no_ops("chat_completions", {}) == []
+    with pytest.raises(OpenAIError, match="query parameter 'beta'='false' is not one this route takes"):
+        query_no_ops("messages", {"beta": "false"})
+    with pytest.raises(OpenAIError, match="'api-version'"):
+        query_no_ops("chat_completions", {"api-version": "2024-10-21"})
 
 
 def _types(annotation):

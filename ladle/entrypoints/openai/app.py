@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
 from ladle.entrypoints.openai.api_supervisor import api_restarts
 from ladle.entrypoints.openai.edge import EdgeLimits, EdgeMiddleware, EdgeState
-from ladle.entrypoints.openai.field_policy import no_op_fields
+from ladle.entrypoints.openai.field_policy import no_op_fields, query_no_ops
 from ladle.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
     ModelCard, ModelList, OpenAIError, clip, internal_error,
@@ -125,40 +125,42 @@ def build_app(state: ServerState) -> FastAPI:
             raise OpenAIError(404, f"the model {clip(name)!r} does not exist; this server serves "
                               f"{ctx.model_name!r}", code="model_not_found", param="model")
 
-    def check(request: BaseModel, api: str) -> None:
-        """The model it names is served; the no-op fields it sets are counted (field_policy)."""
+    def check(request: BaseModel, api: str, raw_request: Request) -> None:
+        """The model it names is served; the no-op fields and query parameters it sets are counted, and any other
+        query parameter refused (field_policy)."""
         check_model(getattr(request, "model", None))
-        ctx.metrics.no_ops(api, no_op_fields(api, request))
+        ctx.metrics.no_ops(api, no_op_fields(api, request) + query_no_ops(api, raw_request.query_params))
 
     completion, chat = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx)
     messages, responses = AnthropicServingMessages(chat), OpenAIServingResponses(chat)
 
     @app.post("/v1/completions", response_model=None, responses=generation_responses(CompletionResponse, keyed))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        check(request, "completions")
+        check(request, "completions", raw_request)
         return await completion.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=generation_responses(ChatCompletionResponse, keyed))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        check(request, "chat_completions")
+        check(request, "chat_completions", raw_request)
         return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/v1/messages", response_model=None, responses=generation_responses(AnthropicMessageResponse, keyed))
     async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
         """The Anthropic Messages API (errors in Anthropic's envelope)."""
-        check(request, "messages")
+        check(request, "messages", raw_request)
         return await messages.create_message(request, raw_request)
 
     @app.post("/v1/messages/count_tokens", responses=error_responses(400, *((401,) if keyed else ()), 404, 503))
     async def count_tokens(request: CountTokensRequest, raw_request: Request) -> TokenCount:
         check_model(request.model)
+        query_no_ops("messages", raw_request.query_params)  # refused as on /v1/messages; counted there only
         return TokenCount(**await messages.count_tokens(request, raw_request))
 
     @app.post("/v1/responses", response_model=None, responses=generation_responses(ResponseObject, keyed))
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         """The OpenAI Responses API, stateless."""
-        check(request, "responses")
+        check(request, "responses", raw_request)
         return await responses.create_response(request, raw_request)
 
     @app.get("/v1/models", responses=error_responses(*((401,) if keyed else ()), 500, 503))

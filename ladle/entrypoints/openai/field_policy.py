@@ -9,12 +9,13 @@ still a 400, since they forbid extra keys.
 
 Paths are dotted field names as the request spells them, `[]` standing for every element of a list; a value
 entry (`path=value`) is a no-op only when the field holds that value (the code that serves the field counts it),
-and a header entry (`name: value`) is one value of a comma-separated request header.
+a header entry (`name: value`) is one value of a comma-separated request header, and a query entry (`?name=value`)
+one parameter of the URL's query string: any other query parameter on an API route is a 400 naming it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel
 
@@ -26,7 +27,7 @@ class NoOp:
     api: str  # chat_completions, completions, responses or messages
     path: str
     why: str  # why ignoring it cannot change what the model sees or generates
-    kind: Literal["field", "value", "header"] = "field"
+    kind: Literal["field", "value", "header", "query"] = "field"
 
 
 _USER = "an end-user id for the provider's abuse monitoring; nothing here reads it"
@@ -94,6 +95,8 @@ NO_OPS: tuple[NoOp, ...] = (
          "bounds max_tokens either way", "header"),
     NoOp("messages", f"{BETA}: context-1m-2025-08-07", "widens Anthropic's context window; here max_model_len "
          "is the window either way", "header"),
+    NoOp("messages", "?beta=true", "the Anthropic SDK's beta client marks its URLs so (Claude Code's do); the beta "
+         "features it uses are named in anthropic-beta, each served or refused there", "query"),
     NoOp("chat_completions", "prompt_cache_key", _CACHE_KEY),
     NoOp("chat_completions", "metadata", "client metadata for OpenAI's stored completions; nothing is stored here "
          "and nothing reads it"),
@@ -160,5 +163,20 @@ def header_no_ops(api: str, name: str, value: str | None) -> list[str]:
             raise OpenAIError(400, f"{name} header: {clip(v.strip())!r} is not a value this server knows, so what it "
                               f"asks for would not be done; known: {', '.join(values)}", code="unsupported_parameter",
                               param=name)
+        out.append(path)
+    return sorted(set(out))
+
+
+def query_no_ops(api: str, query: Mapping[str, str]) -> list[str]:
+    """The NO_OPS entries of a URL's query parameters; any other parameter is a 400 naming it (the API routes
+    take their input in the body, so a parameter this server does not know would go unread)."""
+    known = {n.path for n in NO_OPS if n.api == api and n.kind == "query"}
+    out = []
+    for name, value in query.items():
+        path = f"?{name}={value}"
+        if path not in known:
+            raise OpenAIError(400, f"query parameter {clip(name)!r}={clip(value)!r} is not one this route takes "
+                              f"(known: {', '.join(sorted(known)) or 'none'}); send request fields in the body",
+                              code="unsupported_parameter", param=name)
         out.append(path)
     return sorted(set(out))
