@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from ladle.gguf.path import gguf_file_of
 from ladle.moe_config import validate_moe_args
 from ladle.speculative_config import parse_speculative_config
 
@@ -155,8 +156,8 @@ class EngineArgs:
         check_model_dir(self.model, "model")
         if self.tokenizer is not None:
             check_model_dir(self.tokenizer, "tokenizer")
-        if self.max_model_len is not None:
-            # A peek at config.json; setup checks again with the parsed config (nested text configs too).
+        if self.max_model_len is not None and gguf_file_of(self.model) is None:
+            # A peek at config.json (a GGUF file's metadata is checked when setup reads it); setup checks again with the parsed config (nested text configs too).
             with open(os.path.join(self.model, "config.json")) as f:
                 model_max = json.load(f).get("max_position_embeddings")
             if isinstance(model_max, int):
@@ -170,12 +171,16 @@ def check_max_model_len(max_model_len: int, model_max: int) -> None:
 
 
 def check_model_dir(path: str, name: str = "model") -> None:
-    """A local checkpoint directory with a config.json (tokenizers need only the directory)."""
+    """A local checkpoint directory with a config.json (tokenizers need only the directory), or a GGUF file (or
+    a directory holding exactly one, and no config.json)."""
+    if gguf_file_of(path) is not None:
+        return
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{name} directory {path!r} does not exist; give a local HF checkpoint directory "
-                                "(no model hub is used)")
+                                "or a .gguf file (no model hub is used)")
     if name == "model" and not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{name} directory {path!r} has no config.json; is it an HF checkpoint?")
+        raise FileNotFoundError(f"{name} directory {path!r} has no config.json; is it an HF checkpoint? "
+                                "(a GGUF checkpoint is a .gguf file, or a directory holding one)")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -9,13 +9,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ladle.gguf.path import gguf_file_of
+
 _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                "added_tokens.json")
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of an HF checkpoint directory, or of a GGUF file (or a directory holding one, and no
+    config.json), built from the file's metadata."""
     from transformers import AutoTokenizer
 
+    gguf = gguf_file_of(path)
+    if gguf is not None:
+        from ladle.gguf.reader import read_gguf
+        from ladle.gguf.tokenizer import build_tokenizer
+
+        return build_tokenizer(read_gguf(gguf))
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 -- whatever went wrong, the user needs the file's name

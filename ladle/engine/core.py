@@ -16,6 +16,7 @@ from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
 from ladle.startup.cpu_lending import CpuLender
 from ladle.executor.executor import Executor
 from ladle.executor.factory import create_executor
+from ladle.gguf.path import gguf_file_of
 from ladle.engine.schedule_ahead import schedule_ahead
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.scheduler_output import SchedulerOutput
@@ -44,8 +45,10 @@ class EngineStepError(RuntimeError):
 
 
 def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
+    """generation_config.json's eos ids, else the config's (a GGUF file has only the config, whose eos holds
+    every end-of-generation id the file names)."""
     try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos = None if gguf_file_of(model_dir) is not None else GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
         eos = None
     if eos is None:

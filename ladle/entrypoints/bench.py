@@ -211,6 +211,13 @@ def format_summary(title: str, r: dict[str, Any]) -> str:
 
 
 def _vocab_size(model_dir: str) -> int:
+    from ladle.gguf.path import gguf_file_of
+
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None:  # a GGUF file's vocabulary is in its metadata (ladle.gguf.config)
+        from ladle.models.loader import load_config
+
+        return int(load_config(str(gguf)).vocab_size)
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 

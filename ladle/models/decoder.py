@@ -51,7 +51,7 @@ def attention_specs(config: Any, dtype: torch.dtype, num_kv_heads: int | None = 
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory) -> None:
+    def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory, qkv_bias: bool | None = None) -> None:
         super().__init__()
         self.layer_group = layer_groups(attention_specs(config, torch.float32))
         # Built on the meta device by the loader; nn.Embedding's own init (normal_) on a meta tensor imports
@@ -60,7 +60,7 @@ class DecoderModel(nn.Module):
         if not weight.is_meta:
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, make_mlp(config, i))
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, make_mlp(config, i), qkv_bias)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -89,6 +89,7 @@ class DecoderForCausalLM(nn.Module):
     biases are read from the config."""
 
     qk_norm: bool = False
+    qkv_bias: bool | None = None  # True: q/k/v biases and none on o_proj (Qwen2); None: config.attention_bias
     tensor_parallel: ClassVar[bool] = True  # shard() covers every layer (a subclass with others says False)
     # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
     cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
@@ -99,7 +100,7 @@ class DecoderForCausalLM(nn.Module):
 
     def build_model(self, config: Any) -> nn.Module:
         """The layers, embedding and final norm (`model.*` in the checkpoint)."""
-        return DecoderModel(config, self.qk_norm, self.make_mlp)
+        return DecoderModel(config, self.qk_norm, self.make_mlp, self.qkv_bias)
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype (max_model_len

@@ -126,7 +126,8 @@ class GatedMLP(OpsModule):
 class Attention(OpsModule):
     """Self-attention with GQA, optional per-head q/k RMSNorm (Qwen3), over the paged KV cache."""
 
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qk_norm: bool, qkv_bias: bool | None = None) -> None:
+        """qkv_bias: q/k/v biases without an o_proj bias (Qwen2); None: config.attention_bias for all four."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -137,8 +138,9 @@ class Attention(OpsModule):
         bias = bool(getattr(config, "attention_bias", False))
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = StackedLinear(hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.qkv_proj = StackedLinear(hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                      bias if qkv_bias is None else qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias and qkv_bias is None)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.tp: TensorParallel = SINGLE  # o_proj is row-parallel when sharded (ladle.models.tensor_parallel)
@@ -165,9 +167,9 @@ class Attention(OpsModule):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, qk_norm: bool, mlp: nn.Module, qkv_bias: bool | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qk_norm)
+        self.self_attn = Attention(config, qk_norm, qkv_bias)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,4 +1,4 @@
-"""Build a model from a local HF checkpoint directory (config.json + safetensors)."""
+"""Build a model from a local HF checkpoint directory (config.json + safetensors) or a GGUF file."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from torch import nn
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.experts.backing import FLOATS
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
+from ladle.gguf.path import gguf_file_of
 from ladle.kernels import cpu_kernels
 from ladle.models.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
 from ladle.models.huge_pages import move_weights_to_huge_pages
@@ -86,6 +87,14 @@ def load_config(model_dir: str) -> Any:
     """The checkpoint's HF config, checked to name an architecture ladle implements."""
     from transformers import AutoConfig
 
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None:
+        from ladle.gguf.config import hf_config_of
+        from ladle.gguf.reader import read_gguf
+
+        config = hf_config_of(read_gguf(gguf))
+        model_class_for(config)
+        return config
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist (only local checkpoints are loaded)")
     try:
@@ -119,7 +128,11 @@ def load_model(
     mtp: the checkpoint's multi-token-prediction layer is built and loaded too (speculative_config method mtp)."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
-    files = checkpoint_files(model_dir) if load_format != "dummy" else []
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None and (tp.world_size > 1 or mtp):
+        what = "tensor_parallel_size > 1" if tp.world_size > 1 else "speculative_config method 'mtp'"
+        raise ValueError(f"{gguf.name}: a GGUF checkpoint cannot be used with {what} yet")
+    files = checkpoint_files(model_dir) if load_format != "dummy" and gguf is None else []
     device = torch.device(device)
 
     quant = quant_config_of(config)
@@ -169,7 +182,8 @@ def load_model(
         fill_dummy_experts(model, torch.Generator().manual_seed(seed + 1))
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
-        named = ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip))
+        named = (gguf_weights(gguf, config) if gguf is not None else
+                 ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip)))
         loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in named)
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
@@ -182,6 +196,18 @@ def load_model(
         model.lay_out_for_cpu()
         move_weights_to_huge_pages(model)
     return model.requires_grad_(False).eval(), config
+
+
+def gguf_weights(path: os.PathLike, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF file's tensors under HF names, each checked against config before any is read (a missing or
+    misshapen one fails naming it), widened to float32 one at a time (the loader casts to the model dtype).
+    The next step keeps Q8_0 / Q4_0 / Q4_1 / K-quant blocks as they are for a quantized linear."""
+    from ladle.gguf.config import architecture_of
+    from ladle.gguf.reader import read_gguf
+    from ladle.gguf.tensors import iter_widened, map_tensors
+
+    gguf = read_gguf(path)
+    return iter_widened(gguf, map_tensors(gguf, architecture_of(gguf), config))
 
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,11 +8,13 @@ from ladle.models.interface import CausalLM
 from ladle.models.deepseek_v4 import DeepseekV4ForCausalLM
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
+from ladle.models.qwen2 import Qwen2ForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
 from ladle.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: Mapping[str, type[CausalLM]] = MappingProxyType({
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -11,6 +11,7 @@ from typing import Any
 from ladle.entrypoints.openai.reasoning_parser import PARSERS, ReasoningParser
 from ladle.entrypoints.openai.tool_parsers import ARCHITECTURE_PARSERS, FORMATS
 from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
+from ladle.gguf.path import gguf_file_of
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class ChatSettings:
 
 
 def architecture(model_dir: str) -> str:
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None:  # the architecture ladle builds from the file (ladle.gguf.config)
+        from ladle.gguf.config import ARCHITECTURES
+        from ladle.gguf.reader import read_gguf
+
+        return ARCHITECTURES.get(read_gguf(gguf).metadata.get("general.architecture"), "")
     try:
         archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
