@@ -15,6 +15,7 @@ from ladle.entrypoints.openai.chat_settings import ChatSettings
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.openai.metrics import ServerMetrics
 from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, clip, internal_error
+from ladle.entrypoints.openai.sse_keepalive import with_keepalive
 from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams, StructuredOutputsParams
 from ladle.structured_output.checker import GrammarChecker
@@ -282,10 +283,10 @@ def _has_long_list(model: BaseModel, min_list: int) -> bool:
 
 
 async def _guarded(stream: GenerationStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The events, and if anything unexpected breaks them after the 200 went out, an error event and [DONE]
-    rather than a cut connection."""
+    """The events, kept alive through long silences (sse_keepalive), and if anything unexpected breaks them after
+    the 200 went out, an error event and [DONE] rather than a cut connection."""
     try:
-        async for event in events:
+        async for event in with_keepalive(events):
             yield event
     except Exception as e:  # noqa: BLE001 -- the headers are sent: an error event is all that is left
         stream.abort("error")
