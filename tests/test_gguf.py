@@ -211,3 +211,61 @@ def test_misshapen_tensor_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_gate\.weight' has shape \[128, 64\] where the "
                                          r"metadata implies \[160, 64\]"):
         load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def _model_of(llm: LLM) -> Any:
+    return llm.engine.core.model_executor.runner.model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_stay_quantized_and_equal_the_widened_path(gguf_dir, qtype: str) -> None:
+    """On CPU every decoder linear of a Q8_0 / Q4_0 / Q4_1 file is a GgmlLinear over the file's block bytes (a
+    fraction of the widened model's bytes), and its greedy tokens equal --dequantize-weights' (the same file
+    widened at load) token for token under chunked prefill, prompts batched together."""
+    from ladle.quantization.ggml_linear import BLOCK_TYPES, GgmlLinear
+
+    file = str(next(gguf_dir("qwen2", qtype).glob("*.gguf")))
+    kwargs = dict(max_num_batched_tokens=16, max_prefill_length=7, max_model_len=256)
+    quantized, widened = LLM(file, **kwargs), LLM(file, dequantize_weights=True, **kwargs)
+    layers = [m for m in _model_of(quantized).modules() if isinstance(m, GgmlLinear)]
+    assert len(layers) == 2 * 4 and all(m.qtype == qtype and m.weight.dtype == torch.uint8 for m in layers)
+    assert not any(isinstance(m, GgmlLinear) for m in _model_of(widened).modules())
+    linear_bytes = sum(m.weight.numel() for m in layers)
+    assert linear_bytes == sum(m.out_features * m.in_features for m in layers) // 32 * BLOCK_TYPES[qtype][1]
+    prompts = _prompt_ids(quantized.get_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert ladle_tokens(quantized, prompts, params) == ladle_tokens(widened, prompts, params)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_kernels_against_gguf_dequantize(qtype: str) -> None:
+    """ggml_dequantize (C) and the torch fallback widen to exactly gguf's dequantize values; ggml_linear (C,
+    the decode rows) matches F.linear over them for 1..24 rows in fp32 and bf16, with a bias; a prefill's rows
+    widen tile by tile to the same product."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from ladle.kernels import cpu_kernels
+    from ladle.quantization.fp8_linear import WidenBuffer
+    from ladle.quantization.ggml_linear import GgmlLinear, torch_dequantize
+
+    kernels = cpu_kernels.load()
+    g = torch.Generator().manual_seed(0)
+    out_features, in_features = 72, 160
+    weights = (torch.randn(out_features, in_features, generator=g) * 0.3).numpy()
+    raw = quantize(weights, gguf.GGMLQuantizationType[qtype])
+    exact = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
+    layer = GgmlLinear(in_features, out_features, bias=True, qtype=qtype)
+    layer.weight.data.copy_(torch.from_numpy(raw))
+    layer.bias.data.copy_(torch.randn(out_features, generator=g))
+    assert torch.equal(torch_dequantize(layer.weight, qtype, torch.float32), exact)
+    layer.use_cpu_kernels(kernels, native_bf16=False, buffer=WidenBuffer())
+    assert torch.equal(layer.dequantized(0, out_features, torch.float32), exact)
+    assert torch.equal(layer.dequantized(8, 40, torch.bfloat16), exact[8:40].bfloat16())
+    for rows in (1, 2, 5, 24, 40):
+        x = torch.randn(rows, in_features, generator=g)
+        want = torch.nn.functional.linear(x, exact, layer.bias)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+        got = layer(x.bfloat16())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)

@@ -130,7 +130,17 @@ def widened(gguf: GGUFFile, tensor: MappedTensor) -> torch.Tensor:
     return values if tensor.rows is None else values.index_select(0, tensor.rows)
 
 
-def iter_widened(gguf: GGUFFile, tensors: list[MappedTensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) one at a time, so host memory holds one widened tensor beyond the model."""
+def blocks(gguf: GGUFFile, tensor: MappedTensor) -> torch.Tensor:
+    """The tensor's bytes as the file holds them, [rows, row bytes] uint8, rows in HF order (a copy: the file
+    stays mapped read-only)."""
+    raw = gguf.raw(tensor.info)
+    values = torch.from_numpy(np.array(raw.reshape(raw.shape[0], -1), dtype=np.uint8))
+    return values if tensor.rows is None else values.index_select(0, tensor.rows)
+
+
+def iter_weights(gguf: GGUFFile, tensors: list[MappedTensor],
+                 keep: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) one at a time, so host memory holds one tensor beyond the model: the block bytes of
+    the names in keep (layers that stay quantized), every other tensor widened to float32."""
     for tensor in tensors:
-        yield tensor.hf_name, widened(gguf, tensor)
+        yield tensor.hf_name, blocks(gguf, tensor) if tensor.hf_name in keep else widened(gguf, tensor)

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ladle.paths import cache_dir
 
-SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "norm_rope.c",
+SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "ggml_linear.c", "norm_rope.c",
            "apply_bitmask.c")
 # No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -99,6 +99,9 @@ class CpuKernels:
         self.fp8_dequantize = self._typed("fp8_dequantize", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, flag, flag])
         self.mxfp4_dequantize = self._typed("mxfp4_dequantize", [_ptr, _ptr, _ptr, _i64, _i64, flag, flag])
         self.mxfp4_linear = self._typed("mxfp4_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag], status)
+        self.ggml_linear = self._typed("ggml_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, flag, flag, flag],
+                                       status)
+        self.ggml_dequantize = self._typed("ggml_dequantize", [_ptr, _ptr, _i64, _i64, flag, flag, flag])
         self.rms_norm = self._typed("rms_norm", [_ptr, _i64, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.add_rms_norm = self._typed("add_rms_norm", [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, f32, flag, flag])
         self.norm_rope = self._typed("norm_rope",

@@ -21,6 +21,7 @@ from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
 from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
+from ladle.quantization.ggml_linear import use_ggml_linears
 
 _SINGLE_FILE = "model.safetensors"
 
@@ -160,6 +161,10 @@ def load_model(
                                  "checkpoint is FP8 e4m3")
             if slices is not None:
                 slices = with_scale_slices(slices, quant.block, dtypes)
+        gguf_blocks: set[str] = set()
+        if gguf is not None and not dequantize and device.type == "cpu" and load_format != "dummy":
+            # Q8_0 / Q4_0 / Q4_1 linears stay blocks on CPU (C kernels); elsewhere, or asked to, all are widened
+            gguf_blocks = use_ggml_linears(model, gguf_block_types(gguf, config))
     inventory = expert_inventory(model, config, dtype) if tiering is not None else None
     tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
@@ -182,7 +187,7 @@ def load_model(
         fill_dummy_experts(model, torch.Generator().manual_seed(seed + 1))
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
-        named = (gguf_weights(gguf, config) if gguf is not None else
+        named = (gguf_weights(gguf, config, gguf_blocks) if gguf is not None else
                  ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip)))
         loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in named)
         missing = sorted(set(dict(model.named_parameters())) - loaded)
@@ -198,16 +203,28 @@ def load_model(
     return model.requires_grad_(False).eval(), config
 
 
-def gguf_weights(path: os.PathLike, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """A GGUF file's tensors under HF names, each checked against config before any is read (a missing or
-    misshapen one fails naming it), widened to float32 one at a time (the loader casts to the model dtype).
-    The next step keeps Q8_0 / Q4_0 / Q4_1 / K-quant blocks as they are for a quantized linear."""
+def gguf_block_types(path: os.PathLike, config: Any) -> dict[str, str]:
+    """HF weight name -> the ggml type its GGUF tensor is stored in, for the decoder layers' linears (the head
+    and the embedding are widened: a tied head is the embedding, which gathers rows)."""
     from ladle.gguf.config import architecture_of
     from ladle.gguf.reader import read_gguf
-    from ladle.gguf.tensors import iter_widened, map_tensors
+    from ladle.gguf.tensors import map_tensors
 
     gguf = read_gguf(path)
-    return iter_widened(gguf, map_tensors(gguf, architecture_of(gguf), config))
+    return {t.hf_name: t.info.qtype.name for t in map_tensors(gguf, architecture_of(gguf), config)
+            if t.hf_name.startswith("model.layers.")}
+
+
+def gguf_weights(path: os.PathLike, config: Any, keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF file's tensors under HF names, each checked against config before any is read (a missing or
+    misshapen one fails naming it): the names in keep as their block bytes (GgmlLinear), every other tensor
+    widened to float32 one at a time (the loader casts it to the model dtype)."""
+    from ladle.gguf.config import architecture_of
+    from ladle.gguf.reader import read_gguf
+    from ladle.gguf.tensors import iter_weights as iter_gguf, map_tensors
+
+    gguf = read_gguf(path)
+    return iter_gguf(gguf, map_tensors(gguf, architecture_of(gguf), config), keep)
 
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

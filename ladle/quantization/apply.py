@@ -7,6 +7,7 @@ from torch import nn
 
 from ladle.quantization.config import E8M0_DTYPE, FP4_DTYPE, FP8_DTYPE, QuantConfig
 from ladle.quantization.fp8_linear import Fp8Linear
+from ladle.quantization.ggml_linear import GgmlLinear
 
 
 def checkpoint_dtypes(files: list[str]) -> dict[str, str]:
@@ -134,6 +135,10 @@ def weights_format(model: nn.Module) -> str:
     groups: dict[str, list[torch.Tensor]] = {}
     layers: dict[str, int] = {}
     for module in model.modules():
+        if isinstance(module, GgmlLinear):  # a GGUF file's blocks: scales inside them
+            groups.setdefault(f"GGUF {module.qtype} blocks", []).append(module.weight)
+            layers[f"GGUF {module.qtype} blocks"] = layers.get(f"GGUF {module.qtype} blocks", 0) + 1
+            continue
         fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
         if fmt is None or getattr(module, "tiered", None) is not None:  # tiered experts: the plan's own line
             continue

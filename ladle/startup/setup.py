@@ -28,6 +28,7 @@ from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_
 from ladle.attention.backends import attention_groups, resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
+from ladle.gguf.path import gguf_file_of
 from ladle.models.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
@@ -178,12 +179,16 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
 
     hf_config = load_config(args.model)
     quant, value, why = resolve_quantization(args.quantization, hf_config)
+    gguf = gguf_file_of(args.model) is not None  # block-quantized by its tensors' types, not by a config
+    if gguf and quant is None:
+        value, why = "gguf", ("the GGUF file's Q8_0 / Q4_0 / Q4_1 linears stay blocks on CPU (widened on other "
+                              "devices); every other tensor is widened to dtype")
     prov.put("quantization", value, "" if "quantization" in prov.explicit else why)
-    if args.dequantize_weights and quant is None:
+    if args.dequantize_weights and quant is None and not gguf:
         raise ValueError("dequantize_weights is set, but the checkpoint is unquantized: nothing to widen; drop it")
     prov.put("dequantize_weights", args.dequantize_weights,
              "" if "dequantize_weights" in prov.explicit else "the checkpoint's quantized weights stay quantized"
-             if quant is not None else "an unquantized checkpoint: nothing to widen")
+             if quant is not None or gguf else "an unquantized checkpoint: nothing to widen")
     model_max = hf_config.max_position_embeddings
     if args.max_model_len is not None:
         check_max_model_len(args.max_model_len, model_max)

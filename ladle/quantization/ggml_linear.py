@@ -1,0 +1,135 @@
+"""A linear layer whose weight stays in a GGUF file's block format in memory: Q8_0, Q4_0 or Q4_1.
+
+The parameter `weight` is the file's bytes, [out, in / 32 * block bytes] uint8 (rows in HF's order: the loader
+un-permutes llama's Q/K rows as whole block rows), so SmolLM2's Q4_1 linears take 0.625 bytes a weight where
+fp32 takes 4. On CPU, decode rows go through ladle's ggml_linear C kernel, which reads the blocks directly
+(ladle/kernels/cpu/ggml_linear.c); a prefill's rows widen TILE_ELEMENTS weights (whole rows) at a time into the
+model dtype, in C, with exactly the values gguf's dequantize gives, and multiply them by F.linear, so the
+workspace is one tile (shared by the model's quantized layers), never the layer. Without the C kernels the
+same widening runs in torch. A stacked layer (q/k/v, gate/up) holds its parts' rows one after another; every
+part must be in the same block type (the loader widens the layer otherwise).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, TILE_ELEMENTS, WidenBuffer
+
+BLOCK = 32  # weights per block, in every type here
+# ggml type name -> (ggml type id, bytes per block): ggml's block_q8_0, block_q4_0, block_q4_1.
+BLOCK_TYPES: dict[str, tuple[int, int]] = {"Q8_0": (8, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def row_bytes(in_features: int, qtype: str) -> int:
+    return in_features // BLOCK * BLOCK_TYPES[qtype][1]
+
+
+def torch_dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [R, row bytes] uint8 -> [R, in] in dtype, each weight computed as gguf's dequantize does (d * q,
+    d * (q - 8), d * q + m, in fp32): the path without ladle's C kernels, and the tests' reference."""
+    size = BLOCK_TYPES[qtype][1]
+    b = blocks.reshape(blocks.shape[0], -1, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        values = d * q
+    else:
+        nib = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()  # byte j: weight j low, weight j + 16 high
+        values = d * q + b[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else d * (q - 8)
+    return values.reshape(blocks.shape[0], -1).to(dtype)
+
+
+class GgmlLinear(nn.Module):
+    keep_dtypes = ("weight",)  # the loader's cast to the model dtype leaves the block bytes alone
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, qtype: str,
+                 shards: dict[str, tuple[int, int]] | None = None) -> None:
+        """qtype: Q8_0, Q4_0 or Q4_1; shards: for a stacked layer, checkpoint module name -> (first row, rows)."""
+        super().__init__()
+        if qtype not in BLOCK_TYPES or in_features % BLOCK:
+            raise ValueError(f"GgmlLinear takes {', '.join(BLOCK_TYPES)} rows of whole {BLOCK}-weight blocks, got "
+                             f"{qtype} over {in_features} inputs")
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.weight = nn.Parameter(torch.empty(out_features, row_bytes(in_features, qtype), dtype=torch.uint8),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.shards = shards or {}
+        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
+
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        parent = prefix.rsplit(".", 1)[0]
+        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for shard, (start, size) in self.shards.items():
+            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", lambda p, s=start, n=size: p.narrow(0, s, n))
+            if self.bias is not None:
+                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", lambda p, s=start, n=size: p.narrow(0, s, n))
+        return views
+
+    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+        self.kernels = kernels
+        self.buffer = buffer or self.buffer
+
+    def dequantized(self, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the weight in dtype (into out when given, with the C kernels)."""
+        if self.kernels is None or dtype not in _KERNEL_DTYPES:
+            return torch_dequantize(self.weight[start:stop], self.qtype, dtype)
+        out = torch.empty(stop - start, self.in_features, dtype=dtype) if out is None else out
+        self.kernels.ggml_dequantize(self.weight[start:stop].data_ptr(), out.data_ptr(), stop - start,
+                                     self.in_features, BLOCK_TYPES[self.qtype][0], int(dtype == torch.bfloat16),
+                                     torch.get_num_threads())
+        return out
+
+    def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype).contiguous()
+        failed = self.kernels.ggml_linear(x2.data_ptr(), self.weight.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                                          self.out_features, self.in_features, BLOCK_TYPES[self.qtype][0],
+                                          int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"ggml_linear could not allocate {rows} x {self.in_features} floats")
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
+            return self._kernel(x, rows)
+        tile = max(1, TILE_ELEMENTS // self.in_features)
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, self.out_features, tile):
+            stop = min(start + tile, self.out_features)
+            scratch = self.buffer.take((stop - start, self.in_features), x.dtype) if self.kernels is not None else None
+            weight = self.dequantized(start, stop, x.dtype, scratch)
+            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
+            out[..., start:stop] = F.linear(x, weight, bias)
+        return out
+
+
+def use_ggml_linears(root: nn.Module, types: dict[str, str]) -> set[str]:
+    """Replace each nn.Linear under root (on meta) whose checkpoint weights are all in one block type of
+    BLOCK_TYPES (types: HF weight name -> ggml type name) by a GgmlLinear; returns the checkpoint weight names
+    now kept as blocks (the loader reads those raw). A layer whose parts differ in type stays a widened linear."""
+    kept: set[str] = set()
+    for prefix, parent in list(root.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            shards = getattr(child, "shards", None)
+            parts = ([f"{full.rsplit('.', 1)[0]}.{shard}.weight" for shard in shards] if shards
+                     else [f"{full}.weight"])
+            found = {types.get(p) for p in parts}
+            if len(found) != 1 or (qtype := found.pop()) not in BLOCK_TYPES or child.in_features % BLOCK:
+                continue
+            setattr(parent, name, GgmlLinear(child.in_features, child.out_features, child.bias is not None, qtype,
+                                             dict(shards) if shards else None))
+            kept.update(parts)
+    return kept
