@@ -22,9 +22,10 @@ pytestmark = [pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def prompts(n: int, seed: int = 0) -> list[dict]:
+def prompts(n: int, seed: int = 0, longest: int = 39) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(500) for _ in range(rng.randrange(3, 40))]} for _ in range(n)]
+    return [{"prompt_token_ids": [rng.randrange(500) for _ in range(rng.randrange(3, longest + 1))]}
+            for _ in range(n)]
 
 
 def test_dummy_load_format_needs_only_a_config(tiny_qwen3_dir: str, tmp_path: Path) -> None:
@@ -92,13 +93,15 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     from ladle.attention.backends import TritonAttention
     from ladle.models.ops import TritonOps, set_ops
 
-    batch = prompts(5, seed=7)
-    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # the interpreter is slow: few steps
-    plain = LLM(tiny_qwen3_dir, max_num_batched_tokens=64)
+    # The interpreter is slow (each kernel runs program by program in Python): few steps, and prompts of at most
+    # 12 tokens under a 16-token step budget, so they still prefill over several steps and finish apart.
+    batch = prompts(5, seed=7, longest=12)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(tiny_qwen3_dir, max_num_batched_tokens=16)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
     # Built (and profiled) before the interpreter is in; async scheduling feeds most steps' input tokens to
     # the graph buffers straight from the previous step's device tensor.
-    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, async_scheduling=True)
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=16, async_scheduling=True)
     runner = llm.engine.core.model_executor.runner
     # The whole CUDA code path but capture: the Triton backend and fused ops, run by the interpreter.
     set_ops(runner.model, TritonOps())
@@ -140,11 +143,13 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 intermediate_size=128, max_position_embeddings=4096, sliding_window=window,
                                 seed=2)
-    batch = prompts(4, seed=9)
+    # Short prompts (the interpreter is slow) under a 24-token budget: a full first step pads to the 32 graph,
+    # the rest of the prompts beside the first decodes to 16.
+    batch = prompts(4, seed=9, longest=12)
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    plain = LLM(path, max_num_batched_tokens=32)
+    plain = LLM(path, max_num_batched_tokens=24)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
-    llm = LLM(path, max_num_batched_tokens=32)
+    llm = LLM(path, max_num_batched_tokens=24)
     runner = llm.engine.core.model_executor.runner
     set_ops(runner.model, TritonOps())
     runner.groups = tuple(replace(g, backend=TritonAttention()) for g in runner.groups)
@@ -180,11 +185,11 @@ def test_both_graph_classes_serve_a_model_with_two_kv_groups(tmp_path: Path) -> 
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
                             use_sliding_window=True, sliding_window=6, max_window_layers=1,
                             max_position_embeddings=4096, seed=5)
-    batch = prompts(4, seed=11)
+    batch = prompts(4, seed=11, longest=12)  # longer than the window; short, as the interpreter is slow
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    plain = LLM(path, max_num_batched_tokens=32)
+    plain = LLM(path, max_num_batched_tokens=16)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, short, use_tqdm=False)]
-    llm = LLM(path, max_num_batched_tokens=32)
+    llm = LLM(path, max_num_batched_tokens=16)
     runner = llm.engine.core.model_executor.runner
     assert [g.window for g in runner.groups] == [None, 6]
     set_ops(runner.model, TritonOps())
