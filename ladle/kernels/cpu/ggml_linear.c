@@ -63,6 +63,62 @@ static inline void block_ints(const uint8_t *b, int type, float q[BLOCK], float 
     }
 }
 
+#if LADLE_AVX2
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as f16_to_f32 */
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+/* The block's 32 integers as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31), as block_ints. */
+static inline void block_ints8(const uint8_t *b, int type, __m256 q[4], float *d, float *m) {
+    *d = half_at(b);
+    *m = 0.f;
+    if (type == GGML_Q8_0) {
+        for (int t = 0; t < 4; t++)
+            q[t] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * t))));
+        return;
+    }
+    if (type == GGML_Q4_1) *m = half_at(b + 2);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if (type == GGML_Q4_0)
+        for (int t = 0; t < 4; t++) q[t] = _mm256_sub_ps(q[t], _mm256_set1_ps(8.f)); /* small integers: exact */
+}
+
+/* One x row (a batch-1 decode): the dot of x with W row `row`, blocks of the given type. */
+static float row_dot1(const float *xs, const float *xsum, const uint8_t *row, int64_t blocks, int type, int bytes) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float tail = 0.f;
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 q[4];
+        float d, mn;
+        _mm_prefetch((const char *)row + (b + 4) * bytes, _MM_HINT_T0);
+        block_ints8(row + b * bytes, type, q, &d, &mn);
+        const float *xb = xs + b * BLOCK;
+        __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
+        __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), q[1]);
+        p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], p);
+        p2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], p2);
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(p, p2), _mm256_set1_ps(d), acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_add_ps(p, p2), _mm256_set1_ps(d), acc0);
+        tail += mn * xsum[b];
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    return tail + (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+}
+#endif
+
 /* Returns 0, or -1 when the fp32 copy of x could not be allocated or the type is not one of the three. */
 int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                 int type, int is_bf16, int num_threads) {
@@ -79,6 +135,16 @@ int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int6
             for (int j = 0; j < BLOCK; j++) s += xs[i * k + b * BLOCK + j];
             xsum[i * blocks + b] = s;
         }
+#if LADLE_AVX2
+    if (m == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < n; r++)
+            put(y, r, row_dot1(xs, xsum, w + r * row_bytes, blocks, type, block_bytes(type))
+                          + (bias == NULL ? 0.f : get(bias, r, is_bf16)), is_bf16);
+        free(xs);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = w + r * row_bytes;
@@ -91,11 +157,11 @@ int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int6
 #endif
             for (int64_t i = 0; i < mi; i++) acc_tail[i] = 0.f;
             for (int64_t b = 0; b < blocks; b++) {
-                float q[BLOCK], d, mn;
-                block_ints(row + b * block_bytes(type), type, q, &d, &mn);
+                float d, mn;
 #if LADLE_AVX2
-                const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8), q2 = _mm256_loadu_ps(q + 16),
-                             q3 = _mm256_loadu_ps(q + 24), dv = _mm256_set1_ps(d);
+                __m256 qv[4];
+                block_ints8(row + b * block_bytes(type), type, qv, &d, &mn);
+                const __m256 q0 = qv[0], q1 = qv[1], q2 = qv[2], q3 = qv[3], dv = _mm256_set1_ps(d);
                 for (int64_t i = 0; i < mi; i++) {
                     const float *xb = xs + (i0 + i) * k + b * BLOCK;
                     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
@@ -106,6 +172,8 @@ int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int6
                     acc_tail[i] += mn * xsum[(i0 + i) * blocks + b];
                 }
 #else
+                float q[BLOCK];
+                block_ints(row + b * block_bytes(type), type, q, &d, &mn);
                 for (int64_t i = 0; i < mi; i++) {
                     const float *xb = xs + (i0 + i) * k + b * BLOCK;
                     float p = 0.f;
@@ -136,7 +204,21 @@ void ggml_dequantize(const uint8_t *w, void *out, int64_t n, int64_t k, int type
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < blocks; b++) {
             float q[BLOCK], d, mn;
+#if LADLE_AVX2
+            __m256 qv[4];
+            block_ints8(w + r * row_bytes + b * block_bytes(type), type, qv, &d, &mn);
+            if (!is_bf16) { /* d * q (+ m), two roundings as gguf's numpy: no fma here */
+                for (int t = 0; t < 4; t++) {
+                    __m256 v = _mm256_mul_ps(qv[t], _mm256_set1_ps(d));
+                    if (type == GGML_Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(mn));
+                    _mm256_storeu_ps((float *)out + r * k + b * BLOCK + 8 * t, v);
+                }
+                continue;
+            }
+            for (int t = 0; t < 4; t++) _mm256_storeu_ps(q + 8 * t, qv[t]);
+#else
             block_ints(w + r * row_bytes + b * block_bytes(type), type, q, &d, &mn);
+#endif
             for (int j = 0; j < BLOCK; j++)
                 put(out, r * k + b * BLOCK + j, type == GGML_Q4_1 ? d * q[j] + mn : d * q[j], is_bf16);
         }
