@@ -269,3 +269,15 @@ def test_block_kernels_against_gguf_dequantize(qtype: str) -> None:
         got = layer(x.bfloat16())
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+
+
+def test_qwen2_safetensors_checkpoint_equals_hf(tmp_path: Path) -> None:
+    """Qwen2ForCausalLM (q/k/v biases, none on o_proj), new with GGUF's qwen2, loads from an HF checkpoint
+    directory too, with HF's greedy tokens."""
+    model, tok = _model("qwen2")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16, max_prefill_length=7, max_model_len=256)
+    prompts = _prompt_ids(tok)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert ladle_tokens(llm, prompts, params) == [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
