@@ -269,6 +269,10 @@ def test_block_kernels_against_gguf_dequantize(qtype: str) -> None:
         got = layer(x.bfloat16())
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    layer.use_cpu_kernels(kernels, native_bf16=True, buffer=WidenBuffer())  # bf16 prefill tiles by F.linear
+    x = torch.randn(40, in_features, generator=g).bfloat16()
+    torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x.float(), exact, layer.bias),
+                               rtol=2e-2, atol=5e-2)
 
 
 def test_qwen2_safetensors_checkpoint_equals_hf(tmp_path: Path) -> None:

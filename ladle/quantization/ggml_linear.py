@@ -62,6 +62,7 @@ class GgmlLinear(nn.Module):
         self.shards = shards or {}
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
         self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
+        self.skinny_bf16 = False  # torch's bf16 matmul is slow here: bf16 prefill tiles go through skinny_linear
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
         parent = prefix.rsplit(".", 1)[0]
@@ -73,8 +74,11 @@ class GgmlLinear(nn.Module):
         return views
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+        """native_bf16: torch's bf16 matmul is fast here; where it is not (AVX2), a bf16 prefill multiplies
+        each widened tile by skinny_linear, as Fp8Linear and bf16 CpuLinear weights do."""
         self.kernels = kernels
         self.buffer = buffer or self.buffer
+        self.skinny_bf16 = not native_bf16
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, stop) of the weight in dtype (into out when given, with the C kernels)."""
@@ -109,8 +113,23 @@ class GgmlLinear(nn.Module):
             scratch = self.buffer.take((stop - start, self.in_features), x.dtype) if self.kernels is not None else None
             weight = self.dequantized(start, stop, x.dtype, scratch)
             bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
-            out[..., start:stop] = F.linear(x, weight, bias)
+            if self.skinny_bf16 and x.dtype == torch.bfloat16 and self.kernels is not None:
+                out[..., start:stop] = self._skinny(x, weight, bias)
+            else:
+                out[..., start:stop] = F.linear(x, weight, bias)
         return out
+
+    def _skinny(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        bias = None if bias is None else bias.contiguous()
+        failed = self.kernels.skinny_linear(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                            y.data_ptr(), rows, weight.shape[0], self.in_features, 1,
+                                            torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"skinny_linear could not allocate {rows} x {self.in_features} floats")
+        return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def use_ggml_linears(root: nn.Module, types: dict[str, str]) -> set[str]:
