@@ -39,8 +39,9 @@ def expert_tiering_check(device: torch.device, workdir: Path, small: bool) -> di
     greedy = SamplingParams(temperature=0, max_tokens=16 if small else 64, ignore_eos=True)
     out: dict[str, Any] = {}
     for name, kwargs in VARIANTS.items():
-        llm = LLM(path, device=str(device), max_model_len=8192, max_num_batched_tokens=1024 if small else 2048,
-                  **kwargs)
+        # The dry run's context is 1024 (its longest prompt is 256): start-up profiles activations up to it.
+        llm = LLM(path, device=str(device), max_model_len=1024 if small else 8192,
+                  max_num_batched_tokens=1024 if small else 2048, **kwargs)
         tokens = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
                                                                  use_tqdm=False)]
         _sync(device)
