@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from agent_clients import clients
+from agent_clients.cache_reads import cached_and_computed, is_conversation, system_and_tools_tokens
 from agent_clients.forcing_proxy import Force, ForcingProxy
 from agent_clients.install import PINS, install
 from agent_clients.netns import loopback_only, only_loopback_reachable
@@ -73,7 +74,7 @@ def proxied(server: ServerProcess) -> Iterator[Callable[[Force | None], tuple[Fo
     started: list[ForcingProxy] = []
 
     def start(force: Force | None) -> tuple[ForcingProxy, str]:
-        proxy = ForcingProxy(server.base_url, force)
+        proxy = ForcingProxy(server.base_url, (force,) if force is not None else ())
         started.append(proxy)
         return proxy, proxy.start()
 
@@ -167,3 +168,24 @@ def test_a_tool_call_is_run_and_its_result_sent_back(client: str, executables: d
     later = [r for s in proxy.seen[forced + 1:] for r in tool_results(s.body)]
     assert any(NOTE in r for r in later), (later, run.stdout[-4000:])
     client_reported_no_error(client, run)
+
+
+@pytest.mark.clients
+def test_claude_codes_next_session_reads_its_system_prompt_and_tools_from_the_cache(
+        executables: dict[str, Path], proxied, server: ServerProcess, tmp_path: Path) -> None:
+    """A new session resends the same ~20K-token system prompt and tools (the billing line that changes between
+    sessions is kept out of the prompt): the prefix cache serves at least 90% of it, as Claude Code's own JSON
+    usage reports."""
+    (tmp_path / "work").mkdir()
+    runs = []
+    for _ in range(2):
+        proxy, url = proxied(None)
+        run = clients.claude(executables["claude"], tmp_path / "home", tmp_path / "work", url, "say hi", RUN_TIMEOUT)
+        check_served(proxy, run)
+        runs.append((proxy, run))
+    proxy, run = runs[1]
+    first = next(s for s in proxy.seen if is_conversation(s))
+    shared = system_and_tools_tokens(server.base_url, first.body)
+    cached, _ = cached_and_computed(first)
+    assert cached >= 0.9 * shared > 10_000, (cached, shared)
+    assert json.loads(run.stdout)["usage"]["cache_read_input_tokens"] >= cached

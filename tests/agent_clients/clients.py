@@ -38,12 +38,15 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> Run:
         return Run(None, out, err)
 
 
-def claude(exe: Path, home: Path, workdir: Path, base_url: str, prompt: str, timeout: float) -> Run:
-    """`claude -p` with its JSON result: the Anthropic Messages API at ANTHROPIC_BASE_URL, no traffic of its own."""
+def claude(exe: Path, home: Path, workdir: Path, base_url: str, prompt: str, timeout: float,
+           resume: bool = False) -> Run:
+    """`claude -p` with its JSON result: the Anthropic Messages API at ANTHROPIC_BASE_URL, no traffic of its own.
+    resume: go on with the last session in workdir (`--continue`), its history resent before the prompt."""
     env = _environment(home, {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": API_KEY,
                               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                               "DISABLE_AUTOUPDATER": "1"})
-    return _run([str(exe), "-p", prompt, "--output-format", "json", "--model", MODEL], workdir, env, timeout)
+    return _run([str(exe), "-p", prompt, "--output-format", "json", "--model", MODEL, *(["--continue"] * resume)],
+                workdir, env, timeout)
 
 
 def codex(exe: Path, home: Path, workdir: Path, base_url: str, prompt: str, timeout: float) -> Run:
