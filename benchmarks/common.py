@@ -150,6 +150,22 @@ def model_facts(model_dir: str) -> dict[str, Any]:
     return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the widest vector ISA it offers, as every figure must name them."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = ("AVX-512 + AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags
+           else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    return f"{model} ({isa}), {os.cpu_count()} cores"
+
+
 def machine() -> dict[str, Any]:
     import torch
     import transformers

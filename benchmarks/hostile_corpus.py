@@ -14,7 +14,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_name  # noqa: E402
 from server_abuse import health_gaps  # noqa: E402
 
 TIMEOUT_S = 120.0  # a case not answered by then is a hang
@@ -132,16 +132,6 @@ def post(base: str, case: tuple[str, str, dict]) -> dict[str, Any]:
             message = text[:200]
     return {"case": name, "status": status, "seconds": round(time.perf_counter() - start, 3),
             "message": message[:160]}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:
