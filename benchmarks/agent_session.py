@@ -35,8 +35,11 @@ Qwen3.5 (Gated DeltaNet + attention: a prefix hit resumes from a state checkpoin
 from __future__ import annotations
 
 import argparse
+import difflib
+import fnmatch
 import inspect
 import json
+import shlex
 import sys
 import tempfile
 import textwrap
@@ -76,15 +79,10 @@ MODELS: dict[str, dict[str, Any]] = {
 
 def source_files(work: Path) -> dict[str, Path]:
     """Four standard-library sources of different lengths, as a.py .. d.py: what the forced reads return."""
-    import difflib
-    import fnmatch
-    import shlex
-    import textwrap as tw
     out = {}
-    for name, module in zip("abcd", (fnmatch, shlex, tw, difflib)):
-        text = inspect.getsource(module)[:(1500, 6000, 3000, 9000)["abcd".index(name)]]
+    for name, module, chars in zip("abcd", (fnmatch, shlex, textwrap, difflib), (1500, 6000, 3000, 9000)):
         out[name] = work / f"{name}.py"
-        out[name].write_text(text)
+        out[name].write_text(inspect.getsource(module)[:chars])
     return out
 
 
