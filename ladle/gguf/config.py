@@ -5,6 +5,10 @@ read by the tokenizer (ladle.gguf.tokenizer), checked to hold the one value ladl
 informational (names, licences, provenance). Any other key could change what the model computes in llama.cpp
 (a logit scale, a sliding window, a rope scaling), so loading stops naming it instead of running a different
 model than the file describes.
+
+Mixture-of-experts files (qwen3moe) add the `{arch}.expert_*` keys llama.cpp's qwen3moe reads; what its graph
+hard-codes rather than reads (every layer routed, softmax over all experts, top-k weights renormalised, no
+shared expert) is set in the config as the values it computes with.
 """
 from __future__ import annotations
 
@@ -19,7 +23,14 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType({
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 })
+# general.architecture -> the HF model_type of its config.
+_MODEL_TYPES: Mapping[str, str] = MappingProxyType({
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+})
+# Architectures whose layers route tokens to experts (the `{arch}.expert_*` keys below).
+_MOE = frozenset({"qwen3moe"})
 
 # `{arch}.` keys -> HF config fields, shared by the dense decoders.
 _CONFIG_FIELDS: Mapping[str, str] = MappingProxyType({
@@ -37,6 +48,14 @@ _REQUIRED = ("context_length", "embedding_length", "block_count", "feed_forward_
              "attention.layer_norm_rms_epsilon")
 # `{arch}.` keys checked against the config rather than copied: they must say what ladle computes anyway.
 _CHECKED = ("rope.dimension_count", "attention.key_length", "attention.value_length", "rope.scaling.type")
+# `{arch}.` keys of a MoE architecture, read into the config by _expert_fields.
+_EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+# `{arch}.` keys refused with a reason more useful than "unknown" (a MoE variant ladle's model lacks).
+_REFUSED: Mapping[str, str] = MappingProxyType({
+    "expert_shared_feed_forward_length": "a shared expert (Qwen2-MoE's); llama.cpp's qwen3moe and ladle's "
+                                         "Qwen3-MoE have none",
+    "expert_shared_count": "shared experts; llama.cpp's qwen3moe and ladle's Qwen3-MoE have none",
+})
 
 # Read by ladle.gguf.tokenizer (or, for the special ids, by the config's eos / bos below).
 TOKENIZER_KEYS = frozenset({
@@ -82,14 +101,17 @@ def architecture_of(gguf: GGUFFile) -> str:
 
 
 def hf_config_of(gguf: GGUFFile) -> Any:
-    """The HF config (LlamaConfig, Qwen2Config, Qwen3Config) the file's metadata describes; raises naming the
-    first key ladle does not understand or whose value it cannot compute with."""
+    """The HF config (LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig) the file's metadata describes;
+    raises naming the first key ladle does not understand or whose value it cannot compute with."""
     from transformers import AutoConfig
 
     arch = architecture_of(gguf)
     md = gguf.metadata
     check_keys(gguf, arch)
-    missing = [f"{arch}.{k}" for k in _REQUIRED if f"{arch}.{k}" not in md]
+    # llama.cpp's qwen3moe reads feed_forward_length only where expert_feed_forward_length is absent
+    required = [k for k in _REQUIRED if not (arch in _MOE and k == "feed_forward_length"
+                                             and f"{arch}.expert_feed_forward_length" in md)]
+    missing = [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in md]
     if missing:
         raise GGUFConfigError(f"{gguf.path}: metadata lacks {', '.join(missing)}")
     fields: dict[str, Any] = {hf: md[f"{arch}.{k}"] for k, hf in _CONFIG_FIELDS.items() if f"{arch}.{k}" in md}
@@ -110,9 +132,11 @@ def hf_config_of(gguf: GGUFFile) -> Any:
     _check_rope(gguf, arch, head_dim)
     fields["tie_word_embeddings"] = "output.weight" not in gguf.tensors  # llama.cpp's head is token_embd then
     fields.update(_special_ids(md))
+    if arch in _MOE:
+        fields.update(_expert_fields(gguf, arch, fields.get("intermediate_size")))
     rope_theta = float(fields.pop("rope_theta"))
-    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
-    config = AutoConfig.for_model(model_type, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+    config = AutoConfig.for_model(_MODEL_TYPES[arch],
+                                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                                   architectures=[ARCHITECTURES[arch]], hidden_act="silu", dtype="float32",
                                   **{k: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v)
                                      for k, v in fields.items()})
@@ -123,16 +147,51 @@ def hf_config_of(gguf: GGUFFile) -> Any:
 
 def check_keys(gguf: GGUFFile, arch: str) -> None:
     """Every key is read, checked, or known informational; the first other one is refused by name."""
-    known = {f"{arch}.{k}" for k in (*_CONFIG_FIELDS, *_CHECKED)}
+    known = {f"{arch}.{k}" for k in (*_CONFIG_FIELDS, *_CHECKED, *(_EXPERT_KEYS if arch in _MOE else ()))}
     known |= {"general.architecture"} | TOKENIZER_KEYS | INFORMATIONAL
     if gguf.metadata.get("tokenizer.ggml.model") == "gpt2":
         known |= _IGNORED_FOR_BPE
     for key in gguf.metadata:
         if key in known or _INFORMATIONAL_PATTERN.fullmatch(key):
             continue
+        reason = _REFUSED.get(key.removeprefix(f"{arch}."))
+        if reason is not None:
+            raise GGUFConfigError(f"{gguf.path}: metadata key {key!r} (= {_shown(gguf.metadata[key])}) describes "
+                                  f"{reason}; the file is refused rather than run without it")
         raise GGUFConfigError(f"{gguf.path}: metadata key {key!r} (= {_shown(gguf.metadata[key])}) is not one "
                               f"ladle implements for {arch}; it may change what the model computes, so the file is "
                               "refused rather than run differently")
+
+
+def _expert_fields(gguf: GGUFFile, arch: str, intermediate_size: int | None) -> dict[str, Any]:
+    """The MoE fields of the config: experts, experts a token uses, an expert's intermediate size, and what
+    llama.cpp's qwen3moe graph fixes (llm_build_qwen3moe: build_moe_ffn with norm_w true, softmax gating, every
+    layer): top-k weights renormalised whatever the HF config's norm_topk_prob was (the converter does not
+    write it; transformers' GGUF loader sets it true for the same reason), no dense layers."""
+    md = gguf.metadata
+    values: dict[str, int] = {}
+    for key in _EXPERT_KEYS:
+        value = md.get(f"{arch}.{key}")
+        # llama.cpp reads expert_used_count and expert_feed_forward_length per layer where an array is given
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise GGUFConfigError(f"{gguf.path}: {arch}.{key} is {_shown(value)}, not one integer; ladle builds "
+                                  "models whose layers all route alike")
+        if value is not None:
+            values[key] = value
+    missing = [f"{arch}.{k}" for k in ("expert_count", "expert_used_count") if k not in values]
+    if missing:
+        raise GGUFConfigError(f"{gguf.path}: metadata lacks {', '.join(missing)}, which a {arch} model needs")
+    experts, used = values["expert_count"], values["expert_used_count"]
+    if not 0 < used <= experts:
+        raise GGUFConfigError(f"{gguf.path}: {arch}.expert_used_count {used} is not between 1 and "
+                              f"{arch}.expert_count {experts}")
+    # llama.cpp's fallback where the key is absent: n_ff / n_expert_used (llama_model_qwen3moe::load_arch_tensors)
+    expert_ffn = values.get("expert_feed_forward_length", (intermediate_size or 0) // used)
+    if expert_ffn <= 0:
+        raise GGUFConfigError(f"{gguf.path}: {arch}.expert_feed_forward_length is absent and "
+                              f"{arch}.feed_forward_length gives no expert size")
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": expert_ffn,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _head_dim(gguf: GGUFFile, arch: str, hidden: int, heads: int) -> int:

@@ -175,6 +175,9 @@ def load_model(
         if tp.world_size > 1 or dequantize:
             raise ValueError("tiered experts (moe_cache_size / moe_strategy) cannot be used with "
                              f"{'tensor_parallel_size > 1' if tp.world_size > 1 else 'dequantize_weights'} yet")
+        if gguf is not None:  # tiering reads experts from safetensors files when it needs them
+            raise ValueError(f"{gguf.name}: tiered experts (moe_cache_size / moe_strategy) cannot be used with a "
+                             "GGUF checkpoint yet; give a memory_budget that holds every expert")
         skip = tier_experts(model, tiered, dtype, device, files, renames, inventory.top_k)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
@@ -218,7 +221,8 @@ def gguf_block_types(path: os.PathLike, config: Any) -> dict[str, str]:
 def gguf_weights(path: os.PathLike, config: Any, keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """A GGUF file's tensors under HF names, each checked against config before any is read (a missing or
     misshapen one fails naming it): the names in keep as their block bytes (GgmlLinear), every other tensor
-    widened to float32 one at a time (the loader casts it to the model dtype)."""
+    widened to float32 one at a time (the loader casts it to the model dtype), a MoE layer's stacked experts
+    one expert at a time under their per-expert names (always widened: ladle.gguf.tensors)."""
     from ladle.gguf.config import architecture_of
     from ladle.gguf.reader import read_gguf
     from ladle.gguf.tensors import iter_weights as iter_gguf, map_tensors
