@@ -181,8 +181,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     quant, value, why = resolve_quantization(args.quantization, hf_config)
     gguf = gguf_file_of(args.model) is not None  # block-quantized by its tensors' types, not by a config
     if gguf and quant is None:
-        value, why = "gguf", ("the GGUF file's Q8_0 / Q4_0 / Q4_1 linears stay blocks on CPU (widened on other "
-                              "devices); every other tensor is widened to dtype"
+        value, why = "gguf", ("the GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K linears stay blocks on "
+                              "CPU (widened on other devices); every other tensor is widened to dtype"
                               + (", MoE experts included (no grouped block kernel yet)"
                                  if getattr(hf_config, "num_experts", None) else ""))
     prov.put("quantization", value, "" if "quantization" in prov.explicit else why)
