@@ -217,19 +217,27 @@ def _model_of(llm: LLM) -> Any:
     return llm.engine.core.model_executor.runner.model
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_blocks_stay_quantized_and_equal_the_widened_path(gguf_dir, qtype: str) -> None:
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen2", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1")])
+def test_blocks_stay_quantized_and_equal_the_widened_path(gguf_dir, arch: str, qtype: str) -> None:
     """On CPU every decoder linear of a Q8_0 / Q4_0 / Q4_1 file is a GgmlLinear over the file's block bytes (a
-    fraction of the widened model's bytes), and its greedy tokens equal --dequantize-weights' (the same file
-    widened at load) token for token under chunked prefill, prompts batched together."""
+    fraction of the widened model's bytes), the embedding a GgmlEmbedding, and the head a GgmlLinear: its own
+    (qwen2, untied) or one over the embedding's very Parameter (qwen3, tied); greedy tokens equal
+    --dequantize-weights' (the same file widened at load) token for token under chunked prefill, prompts
+    batched together."""
+    from ladle.quantization.ggml_embedding import GgmlEmbedding
     from ladle.quantization.ggml_linear import BLOCK_TYPES, GgmlLinear
 
-    file = str(next(gguf_dir("qwen2", qtype).glob("*.gguf")))
+    file = str(next(gguf_dir(arch, qtype).glob("*.gguf")))
     kwargs = dict(max_num_batched_tokens=16, max_prefill_length=7, max_model_len=256)
     quantized, widened = LLM(file, **kwargs), LLM(file, dequantize_weights=True, **kwargs)
-    layers = [m for m in _model_of(quantized).modules() if isinstance(m, GgmlLinear)]
+    model = _model_of(quantized)
+    layers = [m for name, m in model.named_modules() if isinstance(m, GgmlLinear) and name.startswith("model.layers.")]
     assert len(layers) == 2 * 4 and all(m.qtype == qtype and m.weight.dtype == torch.uint8 for m in layers)
-    assert not any(isinstance(m, GgmlLinear) for m in _model_of(widened).modules())
+    embed = model.model.embed_tokens
+    assert isinstance(embed, GgmlEmbedding) and embed.qtype == qtype and embed.weight.dtype == torch.uint8
+    assert isinstance(model.cpu_head, GgmlLinear) and model.cpu_head.qtype == qtype
+    assert (model.cpu_head.weight is embed.weight) == (arch == "qwen3")
+    assert not any(isinstance(m, (GgmlLinear, GgmlEmbedding)) for m in _model_of(widened).modules())
     linear_bytes = sum(m.weight.numel() for m in layers)
     assert linear_bytes == sum(m.out_features * m.in_features for m in layers) // 32 * BLOCK_TYPES[qtype][1]
     prompts = _prompt_ids(quantized.get_tokenizer())

@@ -62,9 +62,11 @@ def test_greedy_equals_hf_gguf_load_under_chunked_prefill(moe_file, qtype: str) 
     model = _model_of(llm)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 2 and all(m.w13.dtype == torch.float32 and m.w13.shape == (8, 64, 64) for m in experts)
-    blocks = [m for m in model.modules() if isinstance(m, GgmlLinear)]
-    # Q8_0: each layer's q/k/v and o_proj stay blocks; the router is F32 in the file and the experts widened
+    blocks = [m for name, m in model.named_modules() if isinstance(m, GgmlLinear) and name.startswith("model.")]
+    # Q8_0: each layer's q/k/v and o_proj stay blocks, and the head; the router is F32 in the file and the
+    # experts widened
     assert len(blocks) == (2 * 2 if qtype == "Q8_0" else 0) and all(m.qtype == "Q8_0" for m in blocks)
+    assert isinstance(model.cpu_head, GgmlLinear) == (qtype == "Q8_0")
     setting = llm.engine.core.config.settings["quantization"]
     assert setting.value == "gguf" and "MoE experts included (no grouped block kernel yet)" in setting.reason
     tok = llm.get_tokenizer()

@@ -118,10 +118,15 @@ class CpuLinear(nn.Module):
         return y
 
 
+def native_bf16_matmul() -> bool:
+    """Whether torch's bf16 matmul is fast here: oneDNN can pack bf16 (AVX-512 BF16, AMX or AVX-NE-CONVERT)."""
+    return pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None
+
+
 def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
     """Replace every nn.Linear under root by a CpuLinear over the same weight; returns how many."""
     replaced = 0
-    native_bf16, buffer = pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None, WidenBuffer()
+    native_bf16, buffer = native_bf16_matmul(), WidenBuffer()
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":

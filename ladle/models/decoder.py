@@ -12,8 +12,11 @@ from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.models.cpu_linear import CpuHead, CpuLinear, pack, pack_linears, use_cpu_linears
+from ladle.models.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
 from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
+from ladle.quantization.ggml_embedding import GgmlEmbedding
+from ladle.quantization.ggml_linear import GgmlLinear
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -121,7 +124,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.cpu_head: CpuHead | CpuLinear | None = None
+        self.cpu_head: CpuHead | CpuLinear | GgmlLinear | None = None
         self.tp: TensorParallel = SINGLE  # the head is vocab-parallel when sharded
 
     def init_dummy_buffers(self, generator: torch.Generator) -> None:
@@ -149,24 +152,48 @@ class DecoderForCausalLM(nn.Module):
         """After loading, on CPU: every linear layer (the head too) as a CpuLinear over its own weight, or, where
         ladle's C kernels cannot be built, packed for oneDNN with the head in its own layouts
         (ladle.models.cpu_linear; a no-op where oneDNN cannot pack this dtype here). A tied head keeps the
-        embedding as it is (it gathers rows), so packed head layouts are extra memory, counted as weights."""
+        embedding as it is (it gathers rows), so packed head layouts are extra memory, counted as weights. A head
+        kept in a GGUF file's blocks (its own, or the tied embedding's) reads them through GgmlLinear."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        blocks = self._block_head()
         try:
             kernels = load_cpu_kernels()
         except KernelUnavailable as e:
-            self._pack_for_onednn(head, str(e))
+            self.cpu_head = blocks
+            self._pack_for_onednn(head if blocks is None else None, str(e))
             return
         use_cpu_linears(self.model, kernels)
-        self.cpu_head = CpuLinear(head, None, kernels)
-        if self.lm_head is not None:  # the untied head lives in cpu_head, which stands in for it
-            self.lm_head = self.cpu_head
-        self.cpu_kernels = ("ladle-c", f"{self.cpu_head.describe()}; RMSNorm and rope in C too (CpuOps)")
+        if blocks is not None:
+            blocks.use_cpu_kernels(kernels, native_bf16_matmul())
+            self.cpu_head = blocks
+        else:
+            self.cpu_head = CpuLinear(head, None, kernels)
+            if self.lm_head is not None:  # the untied head lives in cpu_head, which stands in for it
+                self.lm_head = self.cpu_head
+        self.cpu_kernels = ("ladle-c", self._describe_cpu_linears())
 
-    def _pack_for_onednn(self, head: torch.Tensor, why: str) -> None:
+    def _describe_cpu_linears(self) -> str:
+        parts = [m.describe() for m in (next((m for m in self.modules() if isinstance(m, CpuLinear)), None),) if m]
+        qtypes = sorted({m.qtype for m in self.modules() if isinstance(m, GgmlLinear)})
+        if qtypes:
+            head = f", the head's {self.cpu_head.qtype} too" if isinstance(self.cpu_head, GgmlLinear) else ""
+            parts.append(f"GGUF {' / '.join(qtypes)} blocks{head} through ggml_linear (C) for up to "
+                         f"{KERNEL_MAX_ROWS} rows, widened tiles above")
+        return "; ".join(parts + ["RMSNorm and rope in C too (CpuOps)"])
+
+    def _block_head(self) -> GgmlLinear | None:
+        """The head as a GGUF file's blocks: the untied head's own GgmlLinear, or the tied embedding's table."""
+        if isinstance(self.lm_head, GgmlLinear):
+            return self.lm_head
+        embed = self.model.embed_tokens
+        return embed.as_head() if self.lm_head is None and isinstance(embed, GgmlEmbedding) else None
+
+    def _pack_for_onednn(self, head: torch.Tensor | None, why: str) -> None:
+        """head: None where it stays in GGUF blocks (GgmlLinear's torch path)."""
         if pack_linears(self.model) == 0:
             return
         self.cpu_kernels = ("onednn", f"weights packed for oneDNN; ladle's C kernels are unavailable here ({why})")
-        packed = pack(head)
+        packed = None if head is None else pack(head)
         if packed is not None:
             self.cpu_head = CpuHead(head, packed)
             if self.lm_head is not None:  # the untied head's weight now lives only in cpu_head, which stands in

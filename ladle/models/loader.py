@@ -21,6 +21,7 @@ from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
 from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
+from ladle.quantization.ggml_embedding import use_ggml_embedding
 from ladle.quantization.ggml_linear import use_ggml_linears
 
 _SINGLE_FILE = "model.safetensors"
@@ -163,8 +164,10 @@ def load_model(
                 slices = with_scale_slices(slices, quant.block, dtypes)
         gguf_blocks: set[str] = set()
         if gguf is not None and not dequantize and device.type == "cpu" and load_format != "dummy":
-            # Q8_0 / Q4_0 / Q4_1 linears stay blocks on CPU (C kernels); elsewhere, or asked to, all are widened
-            gguf_blocks = use_ggml_linears(model, gguf_block_types(gguf, config))
+            # block-quantized linears and embedding stay blocks on CPU (C kernels); elsewhere, or asked to, all are
+            # widened
+            block_types = gguf_block_types(gguf, config)
+            gguf_blocks = use_ggml_linears(model, block_types) | use_ggml_embedding(model, block_types, dtype)
     inventory = expert_inventory(model, config, dtype) if tiering is not None else None
     tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
@@ -207,15 +210,15 @@ def load_model(
 
 
 def gguf_block_types(path: os.PathLike, config: Any) -> dict[str, str]:
-    """HF weight name -> the ggml type its GGUF tensor is stored in, for the decoder layers' linears (the head
-    and the embedding are widened: a tied head is the embedding, which gathers rows)."""
+    """HF weight name -> the ggml type its GGUF tensor is stored in, for the decoder layers' linears, the
+    embedding and an untied head (a tied head is the embedding's table: ladle.quantization.ggml_embedding)."""
     from ladle.gguf.config import architecture_of
     from ladle.gguf.reader import read_gguf
     from ladle.gguf.tensors import map_tensors
 
     gguf = read_gguf(path)
     return {t.hf_name: t.info.qtype.name for t in map_tensors(gguf, architecture_of(gguf), config)
-            if t.hf_name.startswith("model.layers.")}
+            if t.hf_name.startswith(("model.layers.", "model.embed_tokens.", "lm_head."))}
 
 
 def gguf_weights(path: os.PathLike, config: Any, keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:

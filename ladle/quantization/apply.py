@@ -7,6 +7,7 @@ from torch import nn
 
 from ladle.quantization.config import E8M0_DTYPE, FP4_DTYPE, FP8_DTYPE, QuantConfig
 from ladle.quantization.fp8_linear import Fp8Linear
+from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
 
 
@@ -135,9 +136,11 @@ def weights_format(model: nn.Module) -> str:
     groups: dict[str, list[torch.Tensor]] = {}
     layers: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, GgmlLinear):  # a GGUF file's blocks: scales inside them
-            groups.setdefault(f"GGUF {module.qtype} blocks", []).append(module.weight)
-            layers[f"GGUF {module.qtype} blocks"] = layers.get(f"GGUF {module.qtype} blocks", 0) + 1
+        if isinstance(module, (GgmlLinear, GgmlEmbedding)):  # a GGUF file's blocks: scales inside them
+            key = f"GGUF {module.qtype} blocks"
+            if all(module.weight is not t for t in groups.get(key, [])):  # a tied head shares the embedding's
+                groups.setdefault(key, []).append(module.weight)
+                layers[key] = layers.get(key, 0) + 1
             continue
         fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
         if fmt is None or getattr(module, "tiered", None) is not None:  # tiered experts: the plan's own line
