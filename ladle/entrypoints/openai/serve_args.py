@@ -12,7 +12,8 @@ from ladle.entrypoints.openai.http_protocol import RESERVED_FILES
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF checkpoint dir, as in `vllm serve MODEL` (or --model)")
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built on first use)")
+    p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the demo model, "
+                                                  "SmolLM2-135M-Instruct, fetched on first use)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
