@@ -13,6 +13,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then token id -> Logprob (the prompt
+# token itself plus the top-N), as vLLM's RequestOutput.prompt_logprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -40,3 +43,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (vLLM's field)
     error: str | None = None  # why the engine ended it early (finish_reason "error")
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs, once the prompt ran

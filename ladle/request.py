@@ -60,9 +60,21 @@ class Request:
     # The model's own drafts (speculative_config method mtp) of the tokens after its last one, from the step
     # that sampled it.
     spec_token_ids: tuple[int, ...] = ()
+    # With sampling_params.prompt_logprobs: the entry of each prompt position as its chunks return them
+    # (None until then, and always at 0), handed out with the first output token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's rule: a request that wants prompt logprobs computes its whole prompt (a cached token has
+        no logits), until the first output token has carried them out; a recomputation after a preemption may
+        then read the cache like any other."""
+        return self.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def priority(self) -> int:

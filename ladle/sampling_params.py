@@ -112,7 +112,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
-    prompt_logprobs: None = None  # accepted for signature compatibility; not supported yet
+    # Per prompt token after the first: its logprob, rank and the top-N (RequestOutput.prompt_logprobs). The
+    # request then reads nothing from the prefix cache for its prompt, as in vLLM: cached tokens have no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # with scheduling_policy="priority": lower values are served first (vLLM semantics)
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this (a grammar)
@@ -168,8 +170,11 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
-        if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", "is not supported yet; leave it None")
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            # vLLM's -1 (the whole vocabulary) is refused as for logprobs: a Logprob per vocabulary entry per
+            # prompt token is rarely what a client can hold.
+            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

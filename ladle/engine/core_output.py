@@ -24,6 +24,8 @@ class EngineCoreOutput:
     error_code: str | None = None
     num_cached_tokens: int | None = None  # on a request's first token: prompt tokens the prefix cache served
     prefill_chunks: list[int] | None = None  # on a request's last output: its prefill chunks' sizes, in order
+    # On a request's first token, with SamplingParams.prompt_logprobs: None, then an entry per prompt position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ def prefix_in_flight(req: Request, num_cached: int, end: int, others: list[Reque
     prefills it, the others follow a step later and hit its blocks. Requests behind a deferred one may be
     admitted meanwhile; the deferred one keeps its place at the head of the queue.
     """
+    if req.skip_reading_prefix_cache:
+        return False  # it reads no prefix (prompt logprobs): nothing to wait for
     if end > req.num_tokens - 1:
         return False  # no further block of req would be reused: a hit stops before the last token
     tokens = req.all_token_ids

@@ -14,7 +14,7 @@ from ladle.engine.structured_step import advance, grammar_error
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.outputs import Logprob
 from ladle.request import Request, RequestStatus
-from ladle.runner.model_runner import SampledToken
+from ladle.runner.model_runner import PROMPT_ONLY, SampledToken
 from ladle.runner.sampler import FAILED
 from ladle.startup.engine_config import EngineConfig
 from ladle.structured_output.manager import StructuredOutputManager
@@ -65,6 +65,10 @@ def update_from_output(scheduler: Scheduler, sched: SchedulerOutput,
         scheduler.kv.cache_full_blocks(req, req.num_computed_tokens)
         if tok is None:
             continue
+        if tok.prompt_logprobs is not None:
+            _keep_prompt_logprobs(req, *tok.prompt_logprobs)
+        if tok.token_id == PROMPT_ONLY:
+            continue
         req.spec_token_ids = tok.drafts
         if tok.token_id == FAILED and not tok.accepted:
             broken = grammar_error(scheduler.grammars, req)  # a grammar that broke allows no token
@@ -84,6 +88,8 @@ def _take(scheduler: Scheduler, req: Request, tokens: list[tuple[int, dict[int, 
     token after accepted drafts ends the request with an error once those are out."""
     first = req.num_output_tokens == 0
     out = EngineCoreOutput(req.request_id, [], [], num_cached_tokens=req.num_cached_tokens if first else None)
+    if first and req.prompt_logprobs is not None:
+        out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # handed out once, with the first token
     for token_id, logprobs in tokens:
         if token_id == FAILED:
             return _fail_after(out, scheduler.fail(req, _NOT_FINITE.format(req.request_id, "")))
@@ -104,8 +110,16 @@ def _take(scheduler: Scheduler, req: Request, tokens: list[tuple[int, dict[int, 
     return out
 
 
+def _keep_prompt_logprobs(req: Request, first: int, entries: list[dict[int, Logprob]]) -> None:
+    """Put a chunk's prompt logprobs at their positions (a chunk run again after a preemption overwrites
+    its own); dropped once handed out."""
+    if req.prompt_logprobs is not None:
+        req.prompt_logprobs[first : first + len(entries)] = entries
+
+
 def _fail_after(out: EngineCoreOutput, failed: EngineCoreOutput) -> EngineCoreOutput:
     """The error output, carrying the tokens the request got before it in the same step."""
     failed.new_token_ids, failed.new_logprobs = out.new_token_ids, out.new_logprobs
     failed.num_cached_tokens = out.num_cached_tokens
+    failed.prompt_logprobs = out.prompt_logprobs
     return failed

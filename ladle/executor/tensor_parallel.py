@@ -154,8 +154,18 @@ class DriverRunner(ModelRunner):
         try:
             return super()._logits(chunks, block_tables, input_ids)
         except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
-            why = self.workers.failure or f"{type(e).__name__}: {e}"
-            raise TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})") from e
+            raise self._out_of_step(e) from e
+
+    def _forward_all(self, *args: Any) -> Any:
+        # The path of steps with prompt logprobs (and MTP drafts): its head slices are collectives too.
+        try:
+            return super()._forward_all(*args)
+        except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
+            raise self._out_of_step(e) from e
+
+    def _out_of_step(self, e: Exception) -> TensorParallelError:
+        why = self.workers.failure or f"{type(e).__name__}: {e}"
+        return TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})")
 
 
 def _release_group(workers: WorkerGroup) -> None:

@@ -75,6 +75,9 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
         if comp.logprobs is not None:
             comp.logprobs.extend(decode_logprobs(self.tokenizer, lp) for lp in co.new_logprobs)
+        if co.prompt_logprobs is not None and parent.prompt_logprobs is None:  # n > 1: every child has them
+            parent.prompt_logprobs = [None if lp is None else decode_logprobs(self.tokenizer, lp)
+                                      for lp in co.prompt_logprobs]
         if child.apply(co):
             to_abort.append(co.request_id)
         if co.error is not None:

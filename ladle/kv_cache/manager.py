@@ -114,8 +114,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The deepest prefix hit every group (and, where needed, a state checkpoint) can serve. It stops
         before the last token, so logits exist; a block-aligned prompt therefore recomputes its last block into
-        a block of its own, and a shared block is never written."""
-        if not self.enable_caching:
+        a block of its own, and a shared block is never written. Nothing for a request that wants its prompt's
+        logprobs (Request.skip_reading_prefix_cache): its blocks are still cached for others once written."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return PrefixHit(tuple([] for _ in self.groups), 0)
         keys = self._block_tokens(request, (request.num_tokens - 1) // self.block_size)
         return find_hit(self.tree.walk(keys), self.groups, self.pool, self.block_size,

@@ -23,6 +23,7 @@ from ladle.runner.mtp_drafter import MtpDrafter
 from ladle.runner.step_batch import ScheduledChunk, StepBatch
 from ladle.runner.mixed_graphs import MixedGraphs
 from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.prompt_logprobs import PromptChunk, compute_prompt_logprobs, prompt_chunks
 from ladle.runner.runner_requests import RunnerRequests
 from ladle.runner.sampler import FAILED, Sampler, SamplerOutput
 from ladle.runner.penalty_counts import PenaltyCounts
@@ -38,6 +39,12 @@ class SampledToken:
     # Speculative decoding: the row's accepted drafts, with their logprobs, which come before token_id.
     accepted: tuple[tuple[int, dict[int, Logprob] | None], ...] = ()
     drafts: tuple[int, ...] = ()  # the model's own (MTP) drafts of the tokens after token_id
+    # SamplingParams.prompt_logprobs: (the first prompt position covered, an entry per position) from this
+    # step's chunk. A chunk that samples nothing carries them with token_id PROMPT_ONLY.
+    prompt_logprobs: tuple[int, list[dict[int, Logprob]]] | None = None
+
+
+PROMPT_ONLY = -2  # the token id of a result that only carries a mid-prompt chunk's prompt logprobs
 
 
 def _cpu_kernels() -> CpuKernels | None:
@@ -93,6 +100,7 @@ class ModelRunner:
         on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j.
         mtp_drafts: the model's MTP layer drafts this many tokens after each sampled one (0: it does not run)."""
         self.model = model
+        self.max_num_seqs = max_num_seqs  # also the rows of a prompt-logprobs slice (ladle.runner.prompt_logprobs)
         self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
                                             first_checkpoint)
         self.num_state_groups = len(state_groups)
@@ -159,12 +167,15 @@ class ModelRunner:
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
         sampled = [s for s in specs if s.sample]
         batch, tables = self._step_batch(specs), self.requests.tables(specs, self.block_size)
-        if self.drafter is None:
+        prompt = prompt_chunks(self.requests, specs, self.penalties.vocab)
+        prompt_lps = {}
+        if self.drafter is None and not prompt:
             out = self.run(batch, self._sampling_metadata(sampled), tables)
         else:
             with torch.inference_mode():
-                hidden, inputs = self._hidden(batch, tables)
-                out = self._sample(hidden, inputs, sampled)
+                logits, prompt_lps, hidden, inputs = self._forward_all(batch, tables, prompt)
+                out = SamplerOutput([], []) if logits is None else \
+                    self.sampler(logits, self._sampling_metadata(sampled))
         self.checkpoints.save_after(specs)
         if any(s.draft_token_ids for s in sampled):
             verified = accept(sampled, out.token_ids, out.logprobs)
@@ -175,21 +186,34 @@ class ModelRunner:
             result = {s.request_id: SampledToken(*v) for s, v in zip(sampled, verified)}
         else:
             result = {s.request_id: SampledToken(tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
-        if self.drafter is None:
-            return result
-        kept = {rid: (len(t.accepted), t.token_id) for rid, t in result.items() if t.token_id != FAILED}
-        for rid, d in self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept).items():
-            result[rid] = replace(result[rid], drafts=d)
+        if self.drafter is not None:
+            kept = {rid: (len(t.accepted), t.token_id) for rid, t in result.items() if t.token_id != FAILED}
+            for rid, d in self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept).items():
+                result[rid] = replace(result[rid], drafts=d)
+        for rid, lps in prompt_lps.items():
+            result[rid] = replace(result.get(rid, SampledToken(PROMPT_ONLY, None)), prompt_logprobs=lps)
         return result
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, sampled: list[ChunkSpec]) -> SamplerOutput:
-        logits = self._head(hidden, inputs)
-        return SamplerOutput([], []) if logits is None else self.sampler(logits, self._sampling_metadata(sampled))
+    def _forward_all(self, batch: StepBatch, tables: tuple[torch.Tensor, ...] | None, prompt: list[PromptChunk]
+                     ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[dict[int, Logprob]]]], torch.Tensor,
+                                StepInputs]:
+        """The sampled rows' logits, the prompt logprobs of the chunks in prompt, and the hidden states and inputs
+        they came from. Every tensor-parallel rank runs the prompt slices, then the sampled rows' head, in this
+        order, so their collectives pair up; sampling, which has none, comes after."""
+        hidden, inputs = self._hidden(batch, tables)
+        lps = compute_prompt_logprobs(self.model, hidden, prompt, self.max_num_seqs) if prompt else {}
+        return self._head(hidden, inputs), lps, hidden, inputs
 
     @torch.inference_mode()
     def forward_shard(self, specs: list[ChunkSpec]) -> None:
-        """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits."""
-        self._logits(self._step_batch(specs), self.requests.tables(specs, self.block_size))
+        """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits (and
+        the prompt logprobs, whose head slices this rank's collectives join in the same order)."""
+        batch, tables = self._step_batch(specs), self.requests.tables(specs, self.block_size)
+        prompt = prompt_chunks(self.requests, specs, self.penalties.vocab)
+        if not prompt:
+            self._logits(batch, tables)
+        else:
+            self._forward_all(batch, tables, prompt)
         self.checkpoints.save_after(specs)
 
     def _step_batch(self, specs: list[ChunkSpec]) -> StepBatch:

@@ -55,6 +55,8 @@ class RunnerRequests:
         # Changes whenever a request comes or goes, so a cache keyed on request ids never finds a stale one.
         self.version = 0
         self._rows: tuple[tuple[int, tuple[str, ...]], torch.Tensor] | None = None  # the last step's row index
+        # Requests still owed their prompt logprobs (none generated yet), so a step without any skips the look.
+        self.want_prompt_logprobs: set[str] = set()
 
     def __getitem__(self, request_id: str) -> RunnerRequest:
         return self.requests[request_id]
@@ -80,6 +82,8 @@ class RunnerRequests:
                 for buffer, table in zip(self.block_tables, req.tables):
                     buffer.write(req.row, 0, table)
             self.requests[new.request_id] = req
+            if new.sampling_params.prompt_logprobs is not None and not req.output:
+                self.want_prompt_logprobs.add(new.request_id)
         if not update.diffs:
             return
         counted_rows: list[int] = []
@@ -87,6 +91,8 @@ class RunnerRequests:
         for diff in update.diffs:
             req = self.requests[diff.request_id]
             req.output.extend(diff.new_token_ids)
+            if diff.new_token_ids:
+                self.want_prompt_logprobs.discard(diff.request_id)
             if req.penalty_row >= 0:
                 counted_rows += [req.penalty_row] * len(diff.new_token_ids)
                 counted += diff.new_token_ids
@@ -98,6 +104,7 @@ class RunnerRequests:
 
     def _forget(self, request_id: str) -> None:
         gone = self.requests.pop(request_id, None)
+        self.want_prompt_logprobs.discard(request_id)
         if gone is None:
             return
         if gone.row >= 0:

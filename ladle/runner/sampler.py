@@ -248,26 +248,34 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, b: SamplingBatch) -
         return result
     # Raw model distribution: before penalties, temperature and masking, as vLLM reports by default.
     lp = torch.log_softmax(logits.index_select(0, b.logprob_rows).float(), dim=-1)
-    sampled = token_ids.index_select(0, b.logprob_rows)[:, None]
-    sampled_lp = lp.gather(1, sampled)
-    sampled_rank = (lp > sampled_lp).sum(dim=-1) + 1
+    for i, d in zip(b.logprob_host, logprob_dicts(lp, token_ids.index_select(0, b.logprob_rows), b.logprob_counts)):
+        result[i] = d
+    return result
 
-    wants = b.logprob_counts
-    n = max(wants)
+
+def logprob_dicts(lp: torch.Tensor, token_ids: torch.Tensor, wants: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities lp [rows, vocab]: {token: Logprob} holding token_ids' entry (first, as vLLM
+    orders it) and the row's top wants[row]; rank 1 is the most likely. Shared by sampled and prompt logprobs."""
+    chosen = token_ids[:, None]
+    chosen_lp = lp.gather(1, chosen)
+    chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1
+
+    n = max(wants, default=0)
     top_vals = top_ids = top_ranks = None
     if n:
         top_vals, top_ids = lp.topk(n, dim=-1)  # sorted, so everything above a value sits before it
         top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
 
-    s_ids, s_lp, s_rank = sampled[:, 0].tolist(), sampled_lp[:, 0].tolist(), sampled_rank.tolist()
+    s_ids, s_lp, s_rank = chosen[:, 0].tolist(), chosen_lp[:, 0].tolist(), chosen_rank.tolist()
     t_ids = top_ids.tolist() if top_ids is not None else None
     t_vals = top_vals.tolist() if top_vals is not None else None
     t_ranks = top_ranks.tolist() if top_ranks is not None else None
-    for j, i in enumerate(b.logprob_host):
-        d = {s_ids[j]: Logprob(logprob=s_lp[j], rank=s_rank[j])}  # sampled token first, as vLLM orders it
-        for c in range(wants[j]):
+    result = []
+    for j, want in enumerate(wants):
+        d = {s_ids[j]: Logprob(logprob=s_lp[j], rank=s_rank[j])}
+        for c in range(want):
             if t_vals[j][c] == _NEG_INF:
                 break  # a constrained row has fewer allowed tokens than asked for: the rest cannot come
             d.setdefault(t_ids[j][c], Logprob(logprob=t_vals[j][c], rank=t_ranks[j][c]))
-        result[i] = d
+        result.append(d)
     return result
