@@ -302,6 +302,61 @@ INLINE void row_dot1_into(float *out, const float *xs, const float *xsum, const 
                           const int type) {
     *out = row_dot1_t(xs, xsum, row, blocks, type);
 }
+
+/* The 4-bit 32-weight types (Q4_0, Q4_1) at batch 1, with x in LANE_ORDER. Widening a unit's nibbles by in-lane
+ * unpacks (two of bytes to words, four of words to ints) costs less than four cross-lane vpmovzxbd, but yields the
+ * weights in another order: vector v, element e holds weight LANE_ORDER[8v + e]. x is shared by every W row, so
+ * it is put in that order once a call (lane_order_x) and the products pair up again. The result is the same dot,
+ * summed in another order. One thread, SmolLM2's shapes, A/B in one process on a busy 2-core EPYC (AVX2): Q4_1
+ * 1.13-1.29x, Q4_0 0.88-1.31x; Q8_0's signed unpack made it 0.70-0.95x, so it keeps vpmovsxbd (row_dot1_t). */
+static const int LANE_ORDER[UNIT] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23,
+                                     8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
+static void lane_order_x(float *xp, const float *xs, int64_t k) {
+    for (int64_t c = 0; c < k; c += UNIT)
+        for (int j = 0; j < UNIT; j++) xp[c + j] = xs[c + LANE_ORDER[j]];
+}
+
+/* A unit's 32 integers as one vector of bytes (weights 0-15 in the low lane, 16-31 in the high one), widened to
+ * four vectors of floats in LANE_ORDER; is_signed: the bytes are int8 (else uint8). */
+INLINE void lanes_to_floats(__m256i v, int is_signed, __m256 q[4]) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i sign8 = is_signed ? _mm256_cmpgt_epi8(zero, v) : zero;
+    const __m256i w0 = _mm256_unpacklo_epi8(v, sign8), w1 = _mm256_unpackhi_epi8(v, sign8);
+    const __m256i s0 = is_signed ? _mm256_srai_epi16(w0, 15) : zero, s1 = is_signed ? _mm256_srai_epi16(w1, 15) : zero;
+    q[0] = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(w0, s0));
+    q[1] = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(w0, s0));
+    q[2] = _mm256_cvtepi32_ps(_mm256_unpacklo_epi16(w1, s1));
+    q[3] = _mm256_cvtepi32_ps(_mm256_unpackhi_epi16(w1, s1));
+}
+
+INLINE float row_dot1_lanes_t(const float *xp, const float *xsum, const uint8_t *row, int64_t blocks, const int type) {
+    const int bytes = block_bytes(type);
+    const __m256i mask = _mm256_set1_epi8(0x0f), nibble_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float tail = 0.f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = row + b * bytes;
+        _mm_prefetch((const char *)blk + 4 * bytes, _MM_HINT_T0);
+        __m256i v;
+        /* byte j: weight j low, j + 16 high: the low lane keeps the low nibbles, the high lane the high */
+        v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (type == GGML_Q4_1 ? 4 : 2))));
+        v = _mm256_and_si256(_mm256_srlv_epi32(v, nibble_shift), mask);
+        if (type == GGML_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8)); /* q - 8, exact in int8 */
+        __m256 q[4];
+        lanes_to_floats(v, type != GGML_Q4_1, q);
+        const float *xb = xp + b * UNIT;
+        const __m256 p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]));
+        const __m256 p2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xb + 16), q[2]));
+        const __m256 d = _mm256_set1_ps(half_at(blk));
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(p, p2), d, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_add_ps(p, p2), d, acc0);
+        if (type == GGML_Q4_1) tail += half_at(blk + 2) * xsum[b];
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    return tail + (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+}
 #endif
 
 /* W row `row` against x rows i0 .. i0 + mi: out[i] = their dots. */
@@ -376,6 +431,24 @@ int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int6
             xsum[i * kunits + c] = s;
         }
 #if LADLE_AVX2
+    if (m == 1 && (type == GGML_Q4_0 || type == GGML_Q4_1)) {
+        float *xp = malloc(sizeof(float) * (size_t)k);
+        if (xp == NULL) {
+            free(xs);
+            return -1;
+        }
+        lane_order_x(xp, xs, k);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < n; r++) {
+            const uint8_t *row = w + r * row_bytes;
+            const float dot = type == GGML_Q4_0 ? row_dot1_lanes_t(xp, xsum, row, blocks, GGML_Q4_0)
+                                                : row_dot1_lanes_t(xp, xsum, row, blocks, GGML_Q4_1);
+            put(y, r, dot + (bias == NULL ? 0.f : get(bias, r, is_bf16)), is_bf16);
+        }
+        free(xp);
+        free(xs);
+        return 0;
+    }
     if (m == 1) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t r = 0; r < n; r++) {
