@@ -223,3 +223,61 @@ def test_state_layers_and_mtp_drafts(tmp_path):
     got = _run(drafting, [prompt], params)[0]
     _assert_same(got, want)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_completions_endpoint(tiny_qwen3_dir, chunked, tmp_path):
+    """POST /v1/completions: vLLM's prompt_logprobs extra in each choice, and echo with logprobs reporting the
+    prompt's tokens first (the first without a logprob), streamed or not; equal to the offline entries. A
+    stream with prompt_logprobs, or more entries than --max-logprobs-per-request, is a 400 naming the field."""
+    import asyncio
+
+    import httpx
+
+    from server_harness import ServerProcess, assert_error_envelope, stream_events
+
+    prompt = _prompts([30], seed=10)[0]
+    want = _run(chunked, [prompt], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=2, logprobs=2))[0]
+    srv = ServerProcess(tiny_qwen3_dir, tmp_path, "--max-num-batched-tokens", "64", "--max-prefill-length", "13",
+                        "--max-logprobs-per-request", "2000").start()
+    try:
+        body = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+        choice = srv.post("/v1/completions", {**body, "prompt_logprobs": 2}).json()["choices"][0]
+        got = choice["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(prompt)
+        for p in range(1, len(prompt)):
+            entries = want.prompt_logprobs[p]
+            assert list(got[p]) == [str(t) for t in entries]  # the prompt token first, then by rank
+            for t, lp in entries.items():
+                e = got[p][str(t)]
+                assert abs(e["logprob"] - lp.logprob) < 1e-5 and e["rank"] == lp.rank
+                assert e["decoded_token"] == lp.decoded_token
+
+        echoed = srv.post("/v1/completions", {**body, "echo": True, "logprobs": 2}).json()["choices"][0]
+        text = chunked.get_tokenizer().decode(prompt)
+        assert echoed["text"] == text + want.outputs[0].text
+        lps = echoed["logprobs"]
+        assert len(lps["tokens"]) == len(prompt) + 5 and lps["text_offset"][0] == 0
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        for p in range(1, len(prompt)):
+            assert abs(lps["token_logprobs"][p] - want.prompt_logprobs[p][prompt[p]].logprob) < 1e-5
+            assert len(lps["top_logprobs"][p]) in (2, 3)
+        for i, tid in enumerate(want.outputs[0].token_ids):
+            assert abs(lps["token_logprobs"][len(prompt) + i] - want.outputs[0].logprobs[i][tid].logprob) < 1e-5
+
+        async def stream() -> list:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+                return await stream_events(http, {**body, "echo": True, "logprobs": 2})
+
+        events = [e for e in asyncio.run(stream()) if isinstance(e, dict)]
+        assert "".join(e["choices"][0]["text"] for e in events) == echoed["text"]
+        streamed = [t for e in events for t in e["choices"][0]["logprobs"]["token_logprobs"]]
+        assert streamed == lps["token_logprobs"]
+
+        assert_error_envelope(srv.post("/v1/completions", {**body, "prompt_logprobs": 1, "stream": True}), 400,
+                              param="prompt_logprobs")
+        assert_error_envelope(srv.post("/v1/completions", {**body, "prompt": prompt * 10, "prompt_logprobs": 20}),
+                              400, param="logprobs")
+    finally:
+        assert srv.stop() == 0, srv.log()

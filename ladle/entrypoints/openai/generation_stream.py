@@ -54,6 +54,8 @@ def compact(logprobs: dict[int, Logprob] | None) -> TokenLogprobs:
 class ChoiceState(ChildState):
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs, from the first token on: None for the first prompt token, then its own.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     last_token_time: float | None = None
 
 
@@ -79,7 +81,8 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
             merged[out.request_id] = EngineCoreOutput(out.request_id, list(out.new_token_ids),
                                                       list(out.new_logprobs), out.finish_reason, out.stop_reason,
                                                       out.stop_token, out.error, out.error_code,
-                                                      num_cached_tokens=out.num_cached_tokens)
+                                                      num_cached_tokens=out.num_cached_tokens,
+                                                      prompt_logprobs=out.prompt_logprobs)
         else:
             prev.new_token_ids.extend(out.new_token_ids)
             prev.new_logprobs.extend(out.new_logprobs)
@@ -199,6 +202,8 @@ class GenerationStream:
         new_logprobs = [compact(lp) for lp in out.new_logprobs] if self.params.logprobs is not None else []
         ch.token_ids.extend(out.new_token_ids)
         ch.logprobs.extend(new_logprobs)
+        if out.prompt_logprobs is not None:
+            ch.prompt_logprobs = [None if lp is None else compact(lp) for lp in out.prompt_logprobs]
         if ch.apply(out):
             self.client.abort(self.request_id, [ch.child_id])  # a stop string ended it
         if ch.finish_reason is not None:

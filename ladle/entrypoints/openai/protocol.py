@@ -68,6 +68,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extra: each prompt token's logprob and the top N, in the choices' prompt_logprobs (not with stream)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -133,12 +135,22 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate of a prompt token, as vLLM's prompt_logprobs spell it."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop string or token that ended the choice
+    # vLLM's extra, with prompt_logprobs (or echo with logprobs): None for the first prompt token, then token id
+    # -> its candidate, the prompt token first.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 def _created() -> int:

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from ladle.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
-    OpenAIError,
+    OpenAIError, PromptLogprob,
 )
 from ladle.entrypoints.openai.generation_stream import (
     ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
@@ -58,9 +58,10 @@ class OpenAIServingCompletion:
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise OpenAIError(400, "best_of other than n is not supported", code="unsupported_parameter",
                               param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported yet",
-                              code="unsupported_parameter", param="echo")
+        if req.prompt_logprobs is not None and req.stream:
+            # vLLM's rule: a stream's chunks have no place for them (echo with logprobs streams them instead).
+            raise OpenAIError(400, "prompt_logprobs are not available with stream: true; use echo with logprobs",
+                              code="invalid_value", param="prompt_logprobs")
         prompts = _batch(req.prompt)
         limit = self.ctx.limits.max_prompts_per_request
         if len(prompts) > limit:
@@ -68,7 +69,9 @@ class OpenAIServingCompletion:
                               "(--max-prompts-per-request)", code="invalid_value", param="prompt")
         self.ctx.check_choices(len(prompts), req.n)
         structured, param = structured_outputs_of(req)
-        params = sampling_params(req, req.max_tokens, req.logprobs, structured)
+        # echo with logprobs reports the prompt's tokens too, from prompt logprobs of the same depth (vLLM's).
+        prompt_logprobs = req.logprobs if req.prompt_logprobs is None and req.echo else req.prompt_logprobs
+        params = sampling_params(req, req.max_tokens, req.logprobs, structured, prompt_logprobs)
         self.ctx.check_stop(params.stop)
         await self.ctx.check_structured(params, param, client_of(raw_request))
         vocab = self.ctx.vocab_size()
@@ -90,8 +93,10 @@ class OpenAIServingCompletion:
         choices = (
             CompletionResponseChoice(
                 index=c.index, text=echo[c.prompt_index] + c.detok.output_text,
-                logprobs=_logprobs(c.token_ids, c.logprobs, len(echo[c.prompt_index]), stream.texts)
-                if want_logprobs else None, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                logprobs=self._echoed(stream, c, echo, _logprobs(c.token_ids, c.logprobs, len(echo[c.prompt_index]),
+                                                                 stream.texts)) if want_logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                prompt_logprobs=_prompt_logprobs(c.prompt_logprobs, stream.texts))
             for c in stream.choices
         )
         return with_choices(CompletionResponse(id=stream.request_id, model=self.ctx.model_name, choices=[],
@@ -99,12 +104,18 @@ class OpenAIServingCompletion:
 
     async def _stream(self, stream: GenerationStream, echo: list[str], include_usage: bool) -> AsyncIterator[str]:
         offsets = [len(echo[c.prompt_index]) for c in stream.choices]  # chars of token text sent per choice
+        # With logprobs the echo goes with its prompt's logprobs, which come with the choice's first token.
+        late_echo = [bool(echo[c.prompt_index]) and stream.params.logprobs is not None for c in stream.choices]
         try:
             for c in stream.choices:
-                if echo[c.prompt_index]:
+                if echo[c.prompt_index] and not late_echo[c.index]:
                     yield sse(self._chunk(stream, c, echo[c.prompt_index], None).model_dump_json())
             async for deltas in stream.deltas():
                 for d in deltas:
+                    if late_echo[d.choice.index]:
+                        late_echo[d.choice.index] = False
+                        echoed = self._echoed(stream, d.choice, echo, CompletionLogProbs())
+                        yield sse(self._chunk(stream, d.choice, echo[d.choice.prompt_index], echoed).model_dump_json())
                     logprobs = None
                     if stream.params.logprobs is not None:
                         logprobs = _logprobs(d.token_ids, d.logprobs, offsets[d.choice.index], stream.texts)
@@ -122,6 +133,18 @@ class OpenAIServingCompletion:
             stream.abort()  # no-op when it finished; a client that hung up frees its KV blocks here
         yield SSE_DONE
 
+    @staticmethod
+    def _echoed(stream: GenerationStream, c: ChoiceState, echo: list[str], generated: CompletionLogProbs
+                ) -> CompletionLogProbs:
+        """generated, after the echoed prompt's tokens (their text from offset 0, the first without a logprob)
+        when the choice echoes its prompt."""
+        if not echo[c.prompt_index] or c.prompt_logprobs is None:
+            return generated
+        prompt = _logprobs(stream.prompts[c.prompt_index], c.prompt_logprobs, 0, stream.texts)
+        for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+            getattr(prompt, name).extend(getattr(generated, name))
+        return prompt
+
     def _chunk(self, stream: GenerationStream, c: ChoiceState, text: str, logprobs: CompletionLogProbs | None,
                delta: ChoiceDelta | None = None) -> CompletionStreamResponse:
         finish = delta.finish_reason if delta is not None else None
@@ -130,15 +153,30 @@ class OpenAIServingCompletion:
         return CompletionStreamResponse(id=stream.request_id, model=self.ctx.model_name, choices=[choice])
 
 
-def _logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], offset: int,
+def _logprobs(token_ids: list[int], logprobs: list[TokenLogprobs] | list[TokenLogprobs | None], offset: int,
               texts: TokenTexts) -> CompletionLogProbs:
+    """OpenAI's logprobs of these tokens; None entries (the first prompt token's) have text but no logprob."""
     out = CompletionLogProbs()
     for tid, entries in zip(token_ids, logprobs):
-        sampled = next((e for e in entries if e[0] == tid), None)
-        token = texts(tid) if sampled is not None else ""
+        if entries is None:
+            token = texts(tid)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            sampled = next((e for e in entries if e[0] == tid), None)
+            token = texts(tid) if sampled is not None else ""
+            out.token_logprobs.append(sampled[1] if sampled is not None else None)
+            out.top_logprobs.append({texts(t): lp for t, lp, _ in sorted(entries, key=lambda e: e[2])})
         out.tokens.append(token)
-        out.token_logprobs.append(sampled[1] if sampled is not None else None)
-        out.top_logprobs.append({texts(t): lp for t, lp, _ in sorted(entries, key=lambda e: e[2])})
         out.text_offset.append(offset)
         offset += len(token)
     return out
+
+
+def _prompt_logprobs(entries: list[TokenLogprobs | None] | None,
+                     texts: TokenTexts) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs field: token id -> (logprob, rank, decoded token), the prompt token first."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {t: PromptLogprob(logprob=lp, rank=rank, decoded_token=texts(t)) for t, lp, rank in e} for e in entries]

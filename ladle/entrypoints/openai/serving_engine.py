@@ -134,18 +134,23 @@ class ServingContext:
     def check_logprobs(self, params: SamplingParams, prompt_lens: list[int], param: str) -> None:
         """Each logprob entry is built and serialized by this process: choices x tokens x (top + 1) is bounded,
         counting a missing max_tokens as the room the context leaves."""
-        if params.logprobs is None:
+        if params.logprobs is None and params.prompt_logprobs is None:
             return
         info = self.client.info
         room = [params.max_tokens if params.max_tokens is not None else
                 max(0, (info.max_model_len if info else n) - n) for n in prompt_lens]
-        entries = params.n * sum(room) * (params.logprobs + 1)
+        entries = 0 if params.logprobs is None else params.n * sum(room) * (params.logprobs + 1)
+        prompt = 0 if params.prompt_logprobs is None else params.n * sum(prompt_lens) * (params.prompt_logprobs + 1)
         limit = self.limits.max_logprobs_per_request
-        if entries > limit:
-            raise OpenAIError(400, f"{len(prompt_lens)} prompt(s) x n={params.n} x up to {max(room)} tokens x "
-                              f"{params.logprobs + 1} logprobs asks for {entries} logprob entries; this server "
-                              f"allows at most {limit} per request (--max-logprobs-per-request): lower n, "
-                              f"max_tokens or the logprobs asked for", code="invalid_value", param=param)
+        if entries + prompt > limit:
+            asked = (f"{len(prompt_lens)} prompt(s) x n={params.n} x up to {max(room)} tokens x "
+                     f"{params.logprobs + 1} logprobs" if entries else "")
+            if prompt:
+                asked += (" and " if asked else "") + (f"n={params.n} x {sum(prompt_lens)} prompt tokens x "
+                                                       f"{params.prompt_logprobs + 1} prompt logprobs")
+            raise OpenAIError(400, f"{asked} asks for {entries + prompt} logprob entries; this server allows at "
+                              f"most {limit} per request (--max-logprobs-per-request): lower n, max_tokens, the "
+                              f"prompt or the logprobs asked for", code="invalid_value", param=param)
 
 
 def client_of(raw_request: Request | None) -> str:
@@ -166,7 +171,8 @@ SSE_DONE = sse("[DONE]")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                    structured: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for an OpenAI request; OpenAI's defaults where the client sent null."""
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -180,7 +186,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, priority=req.priority, structured_outputs=structured,
-            num_speculative_tokens=req.num_speculative_tokens,
+            num_speculative_tokens=req.num_speculative_tokens, prompt_logprobs=prompt_logprobs,
         )
     except InvalidSamplingParam as e:
         raise OpenAIError(400, f"{e.field} {e.rule}, got {e.value!r}", code="invalid_value", param=e.field) from None
