@@ -27,6 +27,7 @@ from report_spec_decode_mtp import spec_decode_mtp  # noqa: E402
 from report_expert_tiering import expert_tiering  # noqa: E402
 from report_gpu import gpu_section  # noqa: E402
 from report_perplexity import perplexity_lines  # noqa: E402
+from report_spec_decode_smollm2 import spec_decode_smollm2  # noqa: E402
 
 
 def offline(r: dict[str, Any]) -> list[str]:
@@ -233,7 +234,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("vllm_serve_side_by_side", vllm_serve_peer), ("vllm_serve_side_by_side_768", vllm_serve_peer),
     ("tensor_parallel", tensor_parallel), ("agent_turns", agent_turns), ("quantized", quantized),
     ("structured", structured), ("long_context", long_context), ("spec_decode", spec_decode),
-    ("spec_decode_mtp", spec_decode_mtp), ("expert_tiering", expert_tiering), ("perplexity", perplexity_lines)]
+    ("spec_decode_mtp", spec_decode_mtp), ("expert_tiering", expert_tiering), ("perplexity", perplexity_lines),
+    ("spec_decode_smollm2", spec_decode_smollm2)]
 
 
 def main() -> None:
