@@ -12,9 +12,12 @@ ignore_eos:
   concurrent  16 different 32-token prompts sent at once, 128 tokens each (not streamed): 16 x 128 / the time
               from the first send to the last answer (llama-server with 16 parallel slots, continuous batching).
 
-Rounds repeat the set with the engines in rotating order; the tables show medians and every repeat. Beside the
-client's numbers, each engine's own: llama-server's `timings` (prompt_per_second, predicted_per_second) of the
-same requests and `llama-bench -p 512 -n 128`, and ladle's offline LLM (in a fresh process, 2 torch threads).
+Rounds repeat the set with the engines in rotating order; the tables show medians and every repeat. A 2-thread
+team on 2 cores loses most of its speed beside any other busy job, so each measurement starts once other jobs leave
+the cores free (/proc/stat's busy time less this benchmark's) and is taken again when they did not while it ran: on
+a busy machine the run waits, saying so, rather than measure the neighbour. Beside the client's numbers, each
+engine's own: llama-server's `timings` (prompt_per_second, predicted_per_second) of the same requests and
+`llama-bench -p 512 -n 128`, and ladle's offline LLM (in a fresh process, 2 torch threads).
 
 llama.cpp is built from source in this benchmark's own environment, never a test dependency: the
 llama-cpp-python 0.3.36 sdist's vendored llama.cpp (`pip download --no-deps --no-binary :all:`), configured by
