@@ -116,12 +116,9 @@ def llamacpp_version(server: Path) -> str:
 
 
 def smollm2_path() -> Path:
+    from ladle.gguf.smollm2 import smollm2_gguf
     from ladle.paths import cache_dir
 
-    try:
-        from ladle.gguf.smollm2 import smollm2_gguf
-    except ImportError:  # where it lived before
-        from ladle.testing.smollm2 import smollm2_gguf
     return smollm2_gguf(cache_dir("smollm2", "LADLE_SMOLLM2_CACHE"))
 
 
