@@ -142,7 +142,7 @@ def _model_vs_hf(device: torch.device, path: Path, model_kwargs: dict[str, Any],
                  graphs: bool = True) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from ladle.config import EngineArgs
+    from ladle.config.engine_args import EngineArgs
     from ladle.engine.core import EngineCore
 
     build_checkpoint(path, **model_kwargs)

@@ -126,7 +126,7 @@ def qwen3_config(shape: dict[str, int], max_len: int) -> Any:
 def build_engine(config: Any, workdir: Path, device: torch.device, **engine_kwargs: Any) -> Any:
     """An EngineCore on random weights (load_format="dummy": the directory holds only config.json), so
     start-up, memory planning, profiling and graph capture run exactly as for a real checkpoint."""
-    from ladle.config import EngineArgs
+    from ladle.config.engine_args import EngineArgs
     from ladle.engine.core import EngineCore
 
     path = workdir / f"model-{config.num_hidden_layers}x{config.hidden_size}"

@@ -41,7 +41,7 @@ def structured_check(device: torch.device, workdir: Path, small: bool) -> dict[s
     import jsonschema
     from transformers import AutoTokenizer
 
-    from ladle.config import EngineArgs
+    from ladle.config.engine_args import EngineArgs
     from ladle.engine.core import EngineCore
     from ladle.sampling_params import SamplingParams, StructuredOutputsParams as SO
 

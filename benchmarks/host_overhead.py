@@ -54,7 +54,10 @@ def worker(batches: list[int], context: int, vocab: int, kinds: list[str], steps
     import torch
     from transformers import Qwen3Config
 
-    from ladle.config import EngineArgs
+    try:
+        from ladle.config.engine_args import EngineArgs
+    except ImportError:  # a tree from before ladle/config/ (--compare-with an older checkout)
+        from ladle.config import EngineArgs  # type: ignore[no-redef]
     from ladle.engine.core import EngineCore
     from ladle.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.demo import build_demo_model
 from ladle.startup.profiling import profile_points
 from ladle.startup.setup import load_and_plan

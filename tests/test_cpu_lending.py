@@ -14,7 +14,7 @@ import torch
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
 from ladle.startup.cpu_lending import OTHER_LOAD_LIMIT, WINDOW_S, CpuLender, CpuLending, CpuTicks, other_load, read_ticks
-from ladle.config import Provenance
+from ladle.config.provenance import Provenance
 from ladle.startup.threads import keep_lending, usable_cpus
 
 
@@ -100,7 +100,7 @@ def test_a_pinned_engine_borrows_the_reserved_cpu_only_while_no_one_else_uses_it
     lent again (faked readings: the test must not depend on the machine being idle). Tokens stay the same."""
     code = f"""
 import os, subprocess, sys, time, torch
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.engine.core import EngineCore
 from ladle.request import Request
 from ladle.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ladle import LLM, SamplingParams
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.engine.core_output import EngineSnapshot
 from ladle.entrypoints.openai.metrics import ServerMetrics
 

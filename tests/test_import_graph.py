@@ -8,10 +8,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ladle"
 # Top floor first; a folder may import itself and anything on a floor after its own. Files in the package
-# root are the ground; gguf/ (which imports nothing of ladle's) lies below it.
+# root are the ground; config/ (the engine's arguments) and gguf/ (which imports nothing of ladle's) lie below it.
 FLOORS = [("entrypoints", "testing"), ("frontend", "serving"), ("engine",), ("structured_output",), ("executor",), ("startup",),
-          ("runner",), ("models",), ("experts",), ("quantization",), ("distributed",), ("attention",), ("kv_cache",), ("kernels",), ("",),
-          ("gguf",)]  # the GGUF file format, below the ground: root files (config, tokenizer) read GGUF files
+          ("runner",), ("models",), ("experts",), ("quantization",), ("distributed",), ("attention",), ("kv_cache",), ("kernels",), ("",), ("config",),
+          ("gguf",)]  # the GGUF file format, below config: the arguments check a GGUF path, the tokenizer reads one
 
 
 def _module(path: Path) -> str:

@@ -4,7 +4,7 @@ priority scheduling. Scheduler-level, no model; the engine-level check is in tes
 import pytest
 import torch
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.startup.engine_config import EngineConfig
 from ladle.engine.fair_shares import fair_shares
 from ladle.startup.partial_prefill import PartialPrefillLimits

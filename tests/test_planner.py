@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.config import parse_bytes
+from ladle.config.sizes import parse_bytes
 from ladle.startup.memory import measure_peak
 from ladle.startup.planner import PlanInputs, plan_memory
 from ladle.startup.profiling import ActivationModel, profile_points

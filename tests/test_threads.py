@@ -46,7 +46,7 @@ def test_more_threads_than_cpus_is_refused(tiny_qwen3_dir):
 def test_reserved_cpus_pin_the_process_to_the_rest():
     """What the server's engine process does (reserved_cpus=1): fewer threads, and the process kept off the
     reserved CPU. In a child process: pinning is process-wide."""
-    code = ("import os, torch; from ladle.config import EngineArgs, Provenance; "
+    code = ("import os, torch; from ladle.config.engine_args import EngineArgs; from ladle.config.provenance import Provenance; "
             "from ladle.startup.threads import apply_threads, resolve_threads; "
             "args = EngineArgs(model='m', reserved_cpus=1); prov = Provenance(frozenset()); "
             "n = resolve_threads(args, prov); apply_threads(n, torch.device('cpu'), pin=True); "

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.startup.engine_config import EngineConfig
 from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
 from ladle.startup.cpu_lending import CpuLender

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterator
 
-from ladle.config import SCHEDULING_POLICIES
+from ladle.config.engine_args import SCHEDULING_POLICIES
 from ladle.request import Request
 
 

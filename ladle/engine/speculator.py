@@ -15,7 +15,7 @@ from ladle.engine.spec_arms import StepArms
 from ladle.engine.spec_gate import SpecGate
 from ladle.engine.stats import EngineStats
 from ladle.request import Request
-from ladle.speculative_config import SpeculativeConfig
+from ladle.config.speculative import SpeculativeConfig
 from ladle.structured_output.manager import StructuredOutputManager
 
 

@@ -9,8 +9,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from ladle.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES
-from ladle.moe_config import MOE_BACKINGS, MOE_STRATEGIES
+from ladle.config.engine_args import ATTENTION_BACKENDS, CUDAGRAPH_MODES
+from ladle.config.moe import MOE_BACKINGS, MOE_STRATEGIES
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
@@ -176,7 +176,7 @@ def sampling_from_flags(args: argparse.Namespace) -> SamplingParams:
 
 def engine_args_from_flags(args: argparse.Namespace, model: str | None) -> tuple:
     """EngineArgs and the names typed, validated: a bad value fails here, before anything loads."""
-    from ladle.config import EngineArgs
+    from ladle.config.engine_args import EngineArgs
 
     kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
     if getattr(args, "tokenizer", None) is not None:

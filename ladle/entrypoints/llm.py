@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.entrypoints.openai.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.frontend.llm_engine import LLMEngine, PromptType
 from ladle.frontend.message_marks import message_ends
@@ -19,7 +19,7 @@ Conversation = list[dict[str, str]]
 
 
 class LLM:
-    """LLM(model=DIR, **engine_args); the engine args are those of ladle.config.EngineArgs."""
+    """LLM(model=DIR, **engine_args); the engine args are those of ladle.config.engine_args.EngineArgs."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self._start(LLMEngine.from_kwargs(model=model, **engine_args))

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.startup.engine_config import EngineConfig
 from ladle.runner.model_runner import ModelRunner, PendingStep, SampledToken
 from ladle.runner.payload import ChunkSpec, StateUpdate

@@ -1,7 +1,7 @@
 """Which executor an engine runs its steps on: its own process, or a tensor-parallel group."""
 from __future__ import annotations
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.executor.executor import Executor
 from ladle.executor.tensor_parallel import TensorParallelExecutor
 

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from ladle.config import EngineArgs, resolve_device
+from ladle.config.engine_args import EngineArgs
+from ladle.config.provenance import resolve_device
 from ladle.distributed.parallel_state import (
     COLLECTIVE_TIMEOUT, SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
 )

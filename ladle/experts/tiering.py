@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ladle.config import EngineArgs, format_bytes
+from ladle.config.engine_args import EngineArgs
+from ladle.config.sizes import format_bytes
 # Of the budget, what a derived tiering leaves for the KV pool, activations and margin: the plan then sizes them
 # in it as it does for any model.
 ROOM_SHARE = 0.3

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.engine.core import EngineCore
 from ladle.frontend.output_processor import OutputProcessor
 from ladle.outputs import RequestOutput

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ladle.config import format_bytes
+from ladle.config.sizes import format_bytes
 
 
 def blocks_held(window: int | None, num_tokens: int, block_size: int, chunk: int,

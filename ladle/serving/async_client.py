@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.engine.core_output import EngineCoreOutput
 from ladle.engine.core_output import EngineSnapshot
 from ladle.serving.messages import (

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.startup.cpu_lending import WINDOW_S
 from ladle.engine.core_output import EngineSnapshot
 from ladle.request import RequestRejected

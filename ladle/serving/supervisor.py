@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ladle.config import EngineArgs
+from ladle.config.engine_args import EngineArgs
 from ladle.serving.engine_handoff import AdoptedProcess, Handoff, adopt
 from ladle.serving.engine_process import run_engine_process
 from ladle.serving.messages import EngineInfo, Fatal, FromEngine, Ready, Shutdown, StartupFailed, ToEngine

@@ -2,7 +2,9 @@
 (ladle.kv_cache.state_checkpoints). Both are reserved in the memory plan before the KV pool is sized."""
 from __future__ import annotations
 
-from ladle.config import EngineArgs, Provenance, format_bytes
+from ladle.config.engine_args import EngineArgs
+from ladle.config.provenance import Provenance
+from ladle.config.sizes import format_bytes
 from ladle.kv_cache.specs import KVCacheLayout
 
 PER_REQUEST = 4  # derived: checkpoints per running request (a conversation's last turns)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ladle.config import Setting
-from ladle.speculative_config import SpeculativeConfig
+from ladle.config.provenance import Setting
+from ladle.config.speculative import SpeculativeConfig
 from ladle.startup.cpu_lending import CpuLending
 from ladle.startup.partial_prefill import PartialPrefillLimits
 

@@ -7,7 +7,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ladle.config import EngineArgs, Provenance, format_bytes
+from ladle.config.engine_args import EngineArgs
+from ladle.config.provenance import Provenance
+from ladle.config.sizes import format_bytes
 from ladle.experts.cache import ExpertCache
 from ladle.experts.calibrate import calibrate_hybrid
 from ladle.experts.tiering import ExpertInventory, ExpertTiering, resolve_tiering

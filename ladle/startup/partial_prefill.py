@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ladle.config import EngineArgs, Provenance
+    from ladle.config.engine_args import EngineArgs
+    from ladle.config.provenance import Provenance
 
 logger = logging.getLogger("ladle")
 DEFAULT_PARTIAL_PREFILLS = 4

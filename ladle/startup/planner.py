@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ladle.config import format_bytes
+from ladle.config.sizes import format_bytes
 from ladle.startup.profiling import ActivationModel
 from ladle.kv_cache.specs import blocks_held
 

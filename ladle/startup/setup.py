@@ -10,14 +10,13 @@ from typing import Any
 
 import torch
 
-from ladle.config import (
-    EngineArgs, Provenance, check_max_model_len, format_bytes, parse_bytes, resolve_basics,
-    resolve_cudagraph_mode, resolve_cudagraph_size,
-)
+from ladle.config.engine_args import EngineArgs, check_max_model_len
+from ladle.config.provenance import Provenance, resolve_basics, resolve_cudagraph_mode, resolve_cudagraph_size
+from ladle.config.sizes import format_bytes, parse_bytes
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup import profile_cache
-from ladle.speculative_config import parse_speculative_config
+from ladle.config.speculative import parse_speculative_config
 from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
 from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ladle.config import EngineArgs, Provenance
+from ladle.config.engine_args import EngineArgs
+from ladle.config.provenance import Provenance
 from ladle.kv_cache.specs import KVCacheLayout
-from ladle.speculative_config import SpeculativeConfig
+from ladle.config.speculative import SpeculativeConfig
 
 
 def resolve_speculative(spec: SpeculativeConfig | None, prov: Provenance, layout: KVCacheLayout,

@@ -21,7 +21,8 @@ from ladle.startup.cpu_lending import CpuLending, lending_reason
 if TYPE_CHECKING:
     import torch
 
-    from ladle.config import EngineArgs, Provenance
+    from ladle.config.engine_args import EngineArgs
+    from ladle.config.provenance import Provenance
 
 
 def usable_cpus() -> list[int]:

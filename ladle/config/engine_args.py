@@ -1,28 +1,18 @@
-"""Engine settings with provenance: each knows whether the user typed it, it is a default, or it was derived.
-
-Derived never overrides explicit (DESIGN.md invariant 3): the seed report 002 is an engine that silently
-replaced an explicit --max-prefill-length and ran out of memory.
-"""
+"""The engine's arguments as a user gives them (EngineArgs) and their checks: every one is validated before any
+model or device is touched, and a wrong one fails naming itself."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
+from ladle.config.moe import validate_moe_args
+from ladle.config.sizes import parse_bytes
+from ladle.config.speculative import parse_speculative_config
 from ladle.gguf.path import gguf_file_of
-from ladle.moe_config import validate_moe_args
-from ladle.speculative_config import parse_speculative_config
 
-if TYPE_CHECKING:  # torch loads only where a device is resolved: validating arguments must be instant
-    import torch
-
-logger = logging.getLogger("ladle")
-
-Source = Literal["explicit", "default", "derived"]
-DEFAULT_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's default largest capture size
 # vLLM spellings accepted as aliases of ladle's names.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -69,7 +59,7 @@ class EngineArgs:
     attention_backend: str | None = None  # torch | cpu | triton; default: triton on CUDA, cpu where it builds
     reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
     tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (ladle.distributed)
-    # Drafts verified in each decode step (ladle.speculative_config: a dict, or its JSON as vLLM's CLI takes it).
+    # Drafts verified in each decode step (ladle.config.speculative: a dict, or its JSON as vLLM's CLI takes it).
     speculative_config: dict[str, Any] | str | None = None
     # MoE models: routed experts off the device (ladle.experts): slots cached on it, how misses run, where the
     # experts live. Default: every expert resident, or tiering derived when they do not fit the budget.
@@ -185,122 +175,9 @@ def check_model_dir(path: str, name: str = "model") -> None:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(value: int | str, name: str = "a memory size") -> int:
-    """8589934592, '8GiB', '512 MiB', '1.5G' -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name}: cannot read {value!r} as a size; write bytes or a number with KiB/MiB/GiB")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return n
-
-
-def format_bytes(n: int) -> str:
-    """Bytes as a person reads them: 1.50 GiB, 37.2 MiB, 512 B."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-@dataclass(frozen=True)
-class Setting:
-    value: Any
-    source: Source
-    reason: str = ""
-
-
-def resolve_device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    import torch
-
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def resolve_cudagraph_mode(args: EngineArgs, size: int, prov: Provenance) -> str:
-    """Which steps replay graphs, once the largest captured size is settled (0: none, so NONE)."""
-    if not size:
-        if args.cudagraph_mode is not None:
-            raise ValueError(f"cudagraph_mode={args.cudagraph_mode} needs CUDA graphs, and this engine captures "
-                             f"none ({prov.settings['max_cudagraph_capture_size'].reason}); drop it")
-        return prov.put("cudagraph_mode", "NONE", "no CUDA graphs")
-    if args.cudagraph_mode is not None:
-        return prov.put("cudagraph_mode", args.cudagraph_mode)
-    return prov.put("cudagraph_mode", "FULL", "decode-only steps and steps with a prefill chunk of up to "
-                                              "max_cudagraph_capture_size tokens replay graphs")
-
-
-def resolve_cudagraph_size(args: EngineArgs, device: torch.device, prov: Provenance) -> int:
-    """Largest step (in tokens: a decode batch has one a request) replayed from a CUDA graph; 0 means every step
-    runs eagerly. Graphs exist on CUDA alone: on CPU a kernel launch costs nothing that a graph would save."""
-    prov.put("enforce_eager", bool(args.enforce_eager))
-    name, size = "max_cudagraph_capture_size", args.max_cudagraph_capture_size
-    if size is not None:
-        if device.type != "cuda":
-            raise ValueError(f"{name}={size} needs CUDA graphs, which exist on CUDA only; drop {name}")
-        return prov.put(name, size)
-    if device.type != "cuda" or args.enforce_eager:
-        return prov.put(name, 0, "enforce_eager" if args.enforce_eager else f"no CUDA graphs on {device.type}")
-    size = min(DEFAULT_CUDAGRAPH_CAPTURE_SIZE, args.max_num_seqs)
-    return prov.put(name, size, f"min({DEFAULT_CUDAGRAPH_CAPTURE_SIZE}, max_num_seqs): a decode step has at most "
-                                "max_num_seqs rows")
 
 
 def positive_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-class Provenance:
-    """Records every setting with where it came from; derived never overrides explicit."""
-
-    def __init__(self, explicit: frozenset[str]) -> None:
-        self.explicit = explicit
-        self.settings: dict[str, Setting] = {}
-
-    def put(self, name: str, value: Any, derived_reason: str = "") -> Any:
-        if name in self.explicit:
-            self.settings[name] = Setting(value, "explicit")
-        elif derived_reason:
-            self.settings[name] = Setting(value, "derived", derived_reason)
-        else:
-            self.settings[name] = Setting(value, "default")
-        return value
-
-
-def resolve_basics(args: EngineArgs, prov: Provenance) -> tuple[torch.device, torch.dtype]:
-    """The settings that need no memory measurement (validated first); returns the device and dtype."""
-    args.validate()
-    device = resolve_device(args.device)
-    prov.put("device", str(device), "" if "device" in prov.explicit else "cuda if available, else cpu")
-    dtype = resolve_dtype(args.dtype, device)
-    prov.put("dtype", str(dtype).removeprefix("torch."), "" if "dtype" in prov.explicit else f"auto on {device.type}")
-    prov.put("max_num_seqs", args.max_num_seqs)
-    prov.put("block_size", args.block_size)
-    prov.put("enable_prefix_caching", bool(args.enable_prefix_caching))
-    prov.put("load_format", args.load_format)
-    prov.put("async_scheduling", bool(args.async_scheduling))
-    prov.put("scheduling_policy", args.scheduling_policy)
-    prov.put("seed", args.seed)
-    return device, dtype
