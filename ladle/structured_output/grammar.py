@@ -7,10 +7,13 @@ dropping them, so a schema ladle accepts is a schema it enforces whole.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ladle.sampling_params import StructuredOutputsParams
 from ladle.structured_output.property_names import rewrite_property_names
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stub's TypedDict; llguidance exports no runtime name
 
 # Between two JSON tokens: at most this much whitespace (newlines and indentation included), so a model can
 # never emit whitespace forever and a pretty-printing one still writes the layout it learned.
@@ -46,7 +49,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         schema = rewrite_property_names(schema)
         if spec.disable_additional_properties:
             schema = closed_objects(schema)
-        options: dict[str, Any] = ({"whitespace_flexible": False} if spec.disable_any_whitespace else
+        options: JsonCompileOptions = ({"whitespace_flexible": False} if spec.disable_any_whitespace else
                                    {"whitespace_flexible": True,
                                     "whitespace_pattern": spec.whitespace_pattern or DEFAULT_WHITESPACE})
         try:

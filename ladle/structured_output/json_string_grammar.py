@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
-from typing import Any
 
 # Python's regex parser reads the part of Rust's regex dialect (llguidance's) rewritten here; what the two
 # read differently (class set operations, \p{..}, \x{..}) is refused before it is parsed.
 import re._constants as sre  # noqa: E402
 import re._parser as sre_parse  # noqa: E402
+import warnings
+from typing import Any
 
 from ladle.structured_output.limits import GrammarLimits
 
@@ -258,7 +258,8 @@ class _Rewriter:
             if len(only) == 1 and only[0][0] in (sre.IN, sre.ANY, sre.NOT_LITERAL) and low in (0, 1) \
                     and high is sre.MAXREPEAT:
                 # A class repeated: its plain characters in runs, one lexeme each, not one lexeme a character.
-                return self.node(*only[0], runs=True) + ("*" if low == 0 else "+")
+                item_op, item_av = only[0]
+                return self.node(item_op, item_av, runs=True) + ("*" if low == 0 else "+")
             bound = f"{{{low},}}" if high is sre.MAXREPEAT else f"{{{low},{high}}}"
             return self.seq(only) + bound
         raise UnsupportedGrammar(f"regex {str(op).lower()} (anchors, lookaround, backreferences) cannot be "

@@ -12,7 +12,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from ladle.structured_output.grammar import InvalidStructuredOutput, grammar_of
 from ladle.structured_output.matcher import GrammarError, compile_matcher, error_line, lltokenizer, tokenizer_spec
 from ladle.structured_output.think_gate import Gate, ThinkGate
 from ladle.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 DEFAULT_CACHE_SIZE = 64  # pristine matchers kept (each holds its lexer: kilobytes to megabytes)
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
@@ -46,12 +50,12 @@ class StructuredOutputManager:
         self._eos = sorted(eos_token_ids)
         self._clock = clock
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladle-grammar")
-        self._lltokenizer: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lltokenizer: LLTokenizer | None = None
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         # Each pending request's compile, and when that compile began (empty while it waits for the worker).
         self._pending: dict[str, tuple[cf.Future, list[float]]] = {}
-        self._matchers: dict[str, Any] = {}
+        self._matchers: dict[str, LLMatcher] = {}
         self._gates: dict[str, ThinkGate] = {}  # requests whose constraint waits for a thinking block's end
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
 
@@ -179,7 +183,7 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, grammar: str, started: list[float]) -> Any:
+    def _compile(self, grammar: str, started: list[float]) -> LLMatcher:
         """On the worker thread: the pristine matcher of grammar, from the cache or compiled now (noting in
         `started` when the compile itself began)."""
         hit = self._cache.get(grammar)  # the cache and the tokenizer are the worker's alone
@@ -196,10 +200,10 @@ class StructuredOutputManager:
         return matcher
 
     @staticmethod
-    def _matcher(tokenizer: Any, grammar: str) -> Any:
+    def _matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
         return compile_matcher(tokenizer, grammar)
 
-    def _tokenizer(self) -> Any:
+    def _tokenizer(self) -> LLTokenizer:
         """llguidance's view of the checkpoint's tokenizer, built once (about 2 s at a 150K vocabulary)."""
         if self._lltokenizer is None:
             hf = load_tokenizer(self._tokenizer_path)

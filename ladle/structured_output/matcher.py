@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 
 class GrammarError(RuntimeError):
@@ -42,13 +45,13 @@ def tokenizer_spec(hf: Any, vocab_size: int, eos: list[int] | tuple[int, ...]) -
     return TokenizerSpec(json.dumps(spec), vocab_size, tuple(eos))
 
 
-def lltokenizer(spec: TokenizerSpec) -> Any:
+def lltokenizer(spec: TokenizerSpec) -> LLTokenizer:
     import llguidance
 
     return llguidance.LLTokenizer(spec.json, n_vocab=spec.n_vocab, eos_token=list(spec.eos) or None)
 
 
-def compile_matcher(tokenizer: Any, grammar: str) -> Any:
+def compile_matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
     """The pristine matcher of grammar; raises GrammarError where it cannot be built, or where no text can start
     it (a regex matching nothing fails only at its first mask, so a probe computes one)."""
     import llguidance

@@ -53,7 +53,7 @@ def _rewritten(schema: dict[str, Any]) -> dict[str, Any]:
     props, patterns = rest.get("properties", {}), rest.get("patternProperties", {})
     if not isinstance(names, (dict, bool)) or not isinstance(props, dict) or not isinstance(patterns, dict):
         return schema  # not schemas: llguidance's to refuse
-    if names is False or not _allows_strings(names):
+    if not isinstance(names, dict) or not _allows_strings(names):  # not a dict here: False (True returned above)
         return _named(rest, [])
     keys = names.keys() - _INERT - {"type"}
     if keys <= {"enum", "const", "minLength", "maxLength"} and keys & {"enum", "const"} and not patterns:
@@ -74,7 +74,7 @@ def _named(schema: dict[str, Any], allowed: list[str]) -> dict[str, Any]:
     out = {**schema, "properties": {**{k: False for k in props if k not in allowed},
                                     **{k: props.get(k, extra) for k in allowed}}, "additionalProperties": False}
     if "patternProperties" in schema:
-        out["patternProperties"] = {p: False for p in schema["patternProperties"]}
+        out["patternProperties"] = dict.fromkeys(schema["patternProperties"], False)
     return out
 
 

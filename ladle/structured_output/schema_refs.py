@@ -8,7 +8,7 @@ moving a ref is rewriting its pointer.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import unquote
 
 # Keywords whose values are JSON data, not schemas: a "$ref" inside them is no ref.
@@ -23,7 +23,7 @@ _CARRIED = "ladle_root"  # standalone's key for the document a part was cut from
 _MAX_DEPTH = 16  # deref's descent through alternatives: far past real schemas, short of Python's stack
 
 
-def is_local(ref: Any) -> bool:
+def is_local(ref: Any) -> TypeGuard[str]:
     """A ref into the document itself by JSON pointer ("#", "#/..."); "#name" (an anchor) is found by name."""
     return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
@@ -110,8 +110,7 @@ def deref(schema: Any, root: Any, _seen: frozenset[str] = frozenset(), _depth: i
     if not isinstance(schema, dict) or _depth > _MAX_DEPTH:
         return schema
     ref = schema.get("$ref")
-    target = resolve(ref, root) if is_local(ref) and ref not in _seen else None
-    if isinstance(target, (dict, bool)):
+    if is_local(ref) and ref not in _seen and isinstance(target := resolve(ref, root), (dict, bool)):
         target = {} if target is True else {"not": {}} if target is False else target
         rest = {k: v for k, v in schema.items() if k != "$ref"}
         return _overlay(deref(target, root, _seen | {ref}, _depth + 1), deref(rest, root, _seen, _depth + 1))

@@ -41,7 +41,7 @@ class ThinkGate:
     fed: int = 0  # tokens fed to the matcher so far
 
     @classmethod
-    def at_prompt(cls, tags: ThinkTags, prompt: list[int]) -> "ThinkGate":
+    def at_prompt(cls, tags: ThinkTags, prompt: list[int]) -> ThinkGate:
         if tags.initial is not None:  # the frontend read the rendered prompt
             state = Gate(tags.initial)
             return cls(tags, Gate.ENFORCED if state is Gate.MAY_OPEN and len(tags.start) != 1 else state)
