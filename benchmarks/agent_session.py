@@ -55,9 +55,9 @@ from agent_clients.install import PINS, install  # noqa: E402
 from agent_clients.netns import loopback_only, only_loopback_reachable  # noqa: E402
 from agent_clients.quiet_model import make_quiet  # noqa: E402
 from common import cpu_name  # noqa: E402
-from ladle.entrypoints.openai.anthropic_protocol import MessagesRequest  # noqa: E402
-from ladle.entrypoints.openai.chat_render import chat_prompt, render  # noqa: E402
-from ladle.entrypoints.openai.serving_messages import to_chat  # noqa: E402
+from ladle.entrypoints.openai.anthropic.protocol import MessagesRequest  # noqa: E402
+from ladle.entrypoints.openai.anthropic.serving import to_chat  # noqa: E402
+from ladle.entrypoints.openai.chat.render import chat_prompt, render  # noqa: E402
 from ladle.testing.tool_checkpoints import build_tool_checkpoint  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402

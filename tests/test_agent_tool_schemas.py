@@ -17,8 +17,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from agent_clients.recorded import recorded_requests, tool_schemas
-from ladle.entrypoints.openai.tool_parsers import FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import UnsupportedSchema, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers import FORMATS
+from ladle.entrypoints.openai.chat.tool_parsers.base import UnsupportedSchema, parse_whole
 from ladle.structured_output.matcher import lltokenizer, tokenizer_spec
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
 

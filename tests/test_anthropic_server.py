@@ -11,10 +11,10 @@ import httpx
 import jsonschema
 import pytest
 
-from ladle.entrypoints.openai.chat_output import ChoicePiece
-from ladle.entrypoints.openai.messages_stream import BlockWriter
-from ladle.entrypoints.openai.thinking_signature import seal, unseal
-from ladle.entrypoints.openai.tool_parsers.base import ToolCallDelta
+from ladle.entrypoints.openai.anthropic.stream import BlockWriter
+from ladle.entrypoints.openai.anthropic.thinking_signature import seal, unseal
+from ladle.entrypoints.openai.chat.output import ChoicePiece
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolCallDelta
 from ladle.testing.tool_checkpoints import build_tool_checkpoint
 from server_harness import ServerProcess
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ladle.entrypoints.openai.anthropic_protocol import MessagesRequest
+from ladle.entrypoints.openai.anthropic.protocol import MessagesRequest
 from ladle.entrypoints.openai.field_policy import NO_OPS, header_no_ops, no_op_fields, query_no_ops
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 
@@ -40,7 +40,7 @@ def test_no_ops_are_found_where_a_request_sets_them():
 def test_every_no_op_names_a_field_its_api_declares():
     """A path in the table that no request model has would be a row counting nothing."""
     from ladle.entrypoints.openai.protocol import CompletionRequest
-    from ladle.entrypoints.openai.responses_protocol import ResponsesRequest
+    from ladle.entrypoints.openai.responses.protocol import ResponsesRequest
 
     models = {"chat_completions": ChatCompletionRequest, "completions": CompletionRequest,
               "messages": MessagesRequest, "responses": ResponsesRequest}

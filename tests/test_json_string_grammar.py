@@ -13,8 +13,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from ladle.entrypoints.openai.tool_parsers import FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import UnsupportedSchema, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers import FORMATS
+from ladle.entrypoints.openai.chat.tool_parsers.base import UnsupportedSchema, parse_whole
 from ladle.structured_output.json_string_grammar import UnsupportedGrammar, json_string_grammar
 from ladle.structured_output.matcher import lltokenizer, tokenizer_spec
 

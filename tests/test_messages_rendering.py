@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from ladle.demo import build_tokenizer
-from ladle.entrypoints.openai.anthropic_protocol import ClearToolUsesEdit, MessagesRequest
-from ladle.entrypoints.openai.chat_render import chat_prompt, render
-from ladle.entrypoints.openai.context_edits import (
+from ladle.entrypoints.openai.anthropic.context_edits import (
     CLEARED_RESULT, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
 )
+from ladle.entrypoints.openai.anthropic.protocol import ClearToolUsesEdit, MessagesRequest
+from ladle.entrypoints.openai.anthropic.serving import to_chat
+from ladle.entrypoints.openai.chat.render import chat_prompt, render
+from ladle.entrypoints.openai.chat.serving import chat_request
 from ladle.entrypoints.openai.field_policy import BILLING_HEADER, KEEP_ALL_THINKING
-from ladle.entrypoints.openai.serving_chat import chat_request
-from ladle.entrypoints.openai.serving_messages import to_chat
 from ladle.testing.tool_checkpoints import FAMILIES, TEMPLATES, build_tool_checkpoint
 
 RECORDED = Path(__file__).resolve().parent / "fixtures" / "agent_requests" / "claude-code-2.1.197.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ladle.entrypoints.openai.chat_render import chat_prompt
+from ladle.entrypoints.openai.chat.render import chat_prompt
 from ladle.entrypoints.openai.field_policy import no_op_fields
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs, template_controls

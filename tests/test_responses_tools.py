@@ -1,5 +1,5 @@
-"""The Responses API's tools and items as the chat layer serves them (ladle.entrypoints.openai.responses_tools,
-serving_responses.to_chat, responses_stream): Codex's recorded request read whole (namespace tools flattened,
+"""The Responses API's tools and items as the chat layer serves them (ladle.entrypoints.openai.responses.tools,
+responses.serving.to_chat, responses.stream): Codex's recorded request read whole (namespace tools flattened,
 web_search left out and counted, its hint fields counted), custom tools shown as one string parameter,
 calls sent back under the client's names, custom tool calls streamed as their decoded input, what cannot be
 served a 400 naming it, and reasoning_tokens counting generated tokens."""
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ladle.entrypoints.openai.chat_output import ChoicePiece
+from ladle.entrypoints.openai.chat.output import ChoicePiece
+from ladle.entrypoints.openai.chat.reasoning_parser import PARSERS, thinking_tokens
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolCallDelta
 from ladle.entrypoints.openai.field_policy import NO_OPS, hosted_tool, no_op_fields
 from ladle.entrypoints.openai.protocol_base import OpenAIError
-from ladle.entrypoints.openai.reasoning_parser import PARSERS, thinking_tokens
-from ladle.entrypoints.openai.responses_protocol import ResponsesRequest
-from ladle.entrypoints.openai.responses_stream import ResponsesWriter
-from ladle.entrypoints.openai.responses_tools import ClientTool, InputStream, custom_input, responses_tools
-from ladle.entrypoints.openai.serving_responses import to_chat
-from ladle.entrypoints.openai.tool_parsers.base import ToolCallDelta
+from ladle.entrypoints.openai.responses.protocol import ResponsesRequest
+from ladle.entrypoints.openai.responses.serving import to_chat
+from ladle.entrypoints.openai.responses.stream import ResponsesWriter
+from ladle.entrypoints.openai.responses.tools import ClientTool, InputStream, custom_input, responses_tools
 
 CODEX = json.loads((Path(__file__).resolve().parent / "fixtures" / "agent_requests" / "codex-0.171.0.json")
                    .read_text())["body"]

@@ -257,7 +257,7 @@ def test_the_server_reuses_what_precedes_an_edited_reply(models, tmp_path):
 def test_the_server_marks_the_same_message_ends_as_the_offline_chat(models):
     from transformers import AutoTokenizer
 
-    from ladle.entrypoints.openai.chat_render import ChatPrompt, render
+    from ladle.entrypoints.openai.chat.render import ChatPrompt, render
     from ladle.serving.messages import AddRequest
 
     path, _ = models("dsv4_small_window")

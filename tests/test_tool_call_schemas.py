@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from structured_corpus import SCHEMAS
-from ladle.entrypoints.openai.tool_parsers import FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import UnsupportedSchema, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers import FORMATS
+from ladle.entrypoints.openai.chat.tool_parsers.base import UnsupportedSchema, parse_whole
 from ladle.structured_output.schema_refs import deref, relocate, standalone
 
 REPRO = {"$defs": {"A": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},

@@ -13,8 +13,8 @@ import llguidance.hf as llguidance_hf
 import pytest
 
 from tool_format_checks import assert_arguments_only_grow, assert_whole_and_streamed_agree
-from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
-from ladle.entrypoints.openai.tool_parsers.deepseek_v4 import BLOCK, BLOCK_END, D, DeepSeekV4Format
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolStream, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers.deepseek_v4 import BLOCK, BLOCK_END, D, DeepSeekV4Format
 
 FMT = DeepSeekV4Format()
 TEMPLATE = Path(__file__).parent.parent / "ladle" / "testing" / "chat_templates" / "deepseek_v4.jinja"

@@ -13,8 +13,8 @@ import llguidance.hf as llguidance_hf
 import pytest
 
 from tool_format_checks import assert_arguments_only_grow, assert_whole_and_streamed_agree
-from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
-from ladle.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonFormat
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolStream, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers.llama3_json import Llama3JsonFormat
 
 FMT = Llama3JsonFormat()
 TEMPLATE = Path(__file__).parent.parent / "ladle" / "testing" / "chat_templates" / "llama3_json.jinja"

@@ -12,8 +12,8 @@ import llguidance.hf as llguidance_hf
 import pytest
 
 from tool_format_checks import assert_whole_and_streamed_agree
-from ladle.entrypoints.openai.tool_parsers.base import ToolStream, parse_whole
-from ladle.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3XmlFormat, convert
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolStream, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers.qwen3_xml import Qwen3XmlFormat, convert
 
 FMT = Qwen3XmlFormat()
 TEMPLATE = Path(__file__).parent.parent / "ladle" / "testing" / "chat_templates" / "qwen35_xml.jinja"

@@ -10,9 +10,9 @@ import llguidance.hf as llguidance_hf
 import pytest
 
 from tool_format_checks import assert_whole_and_streamed_agree
-from ladle.entrypoints.openai.reasoning_parser import PARSERS
-from ladle.entrypoints.openai.tool_parsers import FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import ToolStream
+from ladle.entrypoints.openai.chat.reasoning_parser import PARSERS
+from ladle.entrypoints.openai.chat.tool_parsers import FORMATS
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolStream
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                          "required": ["city"]},
@@ -99,7 +99,7 @@ def test_the_prompt_says_whether_thinking_is_open():
 def test_a_long_call_is_not_read_again_on_every_delta():
     """A file an agent writes can be tens of kilobytes of arguments: each read scans the region, so reading it
     on every delta would cost their square. Reads come once the region grew by a sixteenth (the same calls)."""
-    from ladle.entrypoints.openai.tool_parsers.hermes import HermesFormat
+    from ladle.entrypoints.openai.chat.tool_parsers.hermes import HermesFormat
 
     class Counting(HermesFormat):
         reads = 0

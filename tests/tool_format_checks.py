@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import ToolCall, ToolFormat, ToolStream, Tools, parse_whole
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolCall, ToolFormat, ToolStream, Tools, parse_whole
 
 
 def streamed(fmt: ToolFormat, text: str, tools: Tools) -> tuple[str, list[tuple[str, str]], list[ToolCall]]:

@@ -8,10 +8,10 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from ladle.config.engine_args import EngineArgs
-from ladle.entrypoints.openai.system_placement import fold_system, has_later_system, renders_system_in_place
+from ladle.engine.stats import EngineStats
+from ladle.entrypoints.openai.chat.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.frontend.llm_engine import LLMEngine, PromptType
 from ladle.frontend.message_marks import message_ends
-from ladle.engine.stats import EngineStats
 from ladle.outputs import RequestOutput
 from ladle.sampling_params import SamplingParams
 
@@ -141,8 +141,8 @@ class LLM:
             return text, tok.encode(text, add_special_tokens=False)
 
         for conv in conversations:
-            # As the server renders them (chat_render): a later system message where the template can put it, or
-            # folded into the message before it.
+            # As the server renders them (openai/chat/render.py): a later system message where the template can put
+            # it, or folded into the message before it.
             if has_later_system(list(conv)) and not renders_system_in_place(lambda probe: text_of(probe, False, None)):
                 conv = fold_system(list(conv))
             text, ids = render(conv, add_generation_prompt)

@@ -70,8 +70,8 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
 
     from ladle.entrypoints.openai.edge import EdgeLimits
     from ladle.entrypoints.openai.app import ServerState
-    from ladle.entrypoints.openai.chat_settings import architecture, resolve_chat_settings
-    from ladle.entrypoints.openai.serving_chat import chat_template_problem
+    from ladle.entrypoints.openai.chat.settings import architecture, resolve_chat_settings
+    from ladle.entrypoints.openai.chat.serving import chat_template_problem
     from ladle.entrypoints.openai.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
     from ladle.structured_output.checker import GrammarChecker

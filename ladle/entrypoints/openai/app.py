@@ -14,24 +14,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
+from ladle.entrypoints.openai.anthropic.protocol import (
+    ANTHROPIC, AnthropicMessageResponse, CountTokensRequest, MessagesRequest, TokenCount, anthropic_error,
+)
+from ladle.entrypoints.openai.anthropic.serving import AnthropicServingMessages
 from ladle.entrypoints.openai.api_supervisor import api_restarts
+from ladle.entrypoints.openai.chat.serving import OpenAIServingChat
+from ladle.entrypoints.openai.completions.serving import OpenAIServingCompletion
 from ladle.entrypoints.openai.edge import EdgeLimits, EdgeMiddleware, EdgeState
 from ladle.entrypoints.openai.field_policy import no_op_fields, query_no_ops
+from ladle.entrypoints.openai.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
 from ladle.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
     ModelCard, ModelList, OpenAIError, clip, internal_error,
 )
-from ladle.entrypoints.openai.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
-from ladle.entrypoints.openai.anthropic_protocol import (
-    ANTHROPIC, AnthropicMessageResponse, CountTokensRequest, MessagesRequest, TokenCount, anthropic_error,
-)
-from ladle.entrypoints.openai.serving_chat import OpenAIServingChat
-from ladle.entrypoints.openai.serving_messages import AnthropicServingMessages
-from ladle.entrypoints.openai.serving_responses import OpenAIServingResponses
-from ladle.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
-from ladle.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from ladle.entrypoints.openai.responses.protocol import ResponseObject, ResponsesRequest
+from ladle.entrypoints.openai.responses.serving import OpenAIServingResponses
 from ladle.entrypoints.openai.serving_engine import ServingContext
+from ladle.serving.async_client import AsyncEngineClient, EngineState, EngineUnavailableError
 
 logger = logging.getLogger("ladle.server")
 BUSY_AFTER_S = 1.0  # a step running longer is reported as "busy" (still 200: the engine is working)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ladle.entrypoints.openai.anthropic_protocol import ANTHROPIC, anthropic_error
+from ladle.entrypoints.openai.anthropic.protocol import ANTHROPIC, anthropic_error
 from ladle.entrypoints.openai.protocol import OpenAIError, clip
 
 # Routes that stay open without a key and while draining: probes and scrapers must see the truth.

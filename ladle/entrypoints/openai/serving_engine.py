@@ -10,14 +10,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from ladle.serving.async_client import AsyncEngineClient
-from ladle.entrypoints.openai.chat_settings import ChatSettings
+from ladle.entrypoints.openai.chat.settings import ChatSettings
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenTexts
 from ladle.entrypoints.openai.metrics import ServerMetrics
 from ladle.entrypoints.openai.protocol import OpenAIError, SamplingRequest, clip, internal_error
 from ladle.entrypoints.openai.sse_keepalive import with_keepalive
 from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams, StructuredOutputsParams
+from ladle.serving.async_client import AsyncEngineClient
 from ladle.structured_output.checker import GrammarChecker
 from ladle.structured_output.grammar import InvalidStructuredOutput
 from ladle.structured_output.matcher import GrammarError, tokenizer_spec

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ladle.entrypoints.openai.chat_settings import ChatSettings
-from ladle.entrypoints.openai.chat_tools import ToolPlan
-from ladle.entrypoints.openai.reasoning_parser import ReasoningStream
-from ladle.entrypoints.openai.tool_parsers.base import ToolCall, ToolCallDelta, ToolStream
+from ladle.entrypoints.openai.chat.reasoning_parser import ReasoningStream
+from ladle.entrypoints.openai.chat.settings import ChatSettings
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolCall, ToolCallDelta, ToolStream
+from ladle.entrypoints.openai.chat.tools import ToolPlan
 
 
 @dataclass

@@ -86,7 +86,7 @@ class AnthropicMessage(_Block):
 
 class SystemMessage(_Request):
     """A system message among the messages (Claude Code's per-turn reminders): rendered where it stands
-    (ladle.entrypoints.openai.system_placement), never hoisted to the front."""
+    (ladle.entrypoints.openai.chat.system_placement), never hoisted to the front."""
     role: Literal["system"]
     content: Text | list[TextBlock]
     # "next_user_message": shown only until a later user message exists; "never" (the default): always.

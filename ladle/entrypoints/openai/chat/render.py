@@ -8,9 +8,9 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
+from ladle.entrypoints.openai.chat.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs
-from ladle.entrypoints.openai.system_placement import fold_system, has_later_system, renders_system_in_place
 from ladle.frontend.message_marks import message_ends
 
 # Keywords the server itself passes to the template: a request's chat_template_kwargs may not set them.

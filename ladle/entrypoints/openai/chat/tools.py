@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ladle.entrypoints.openai.chat_settings import ChatSettings
+from ladle.entrypoints.openai.chat.settings import ChatSettings
+from ladle.entrypoints.openai.chat.tool_parsers.base import Tools, UnsupportedSchema
 from ladle.entrypoints.openai.protocol_base import OpenAIError
-from ladle.entrypoints.openai.tool_parsers.base import Tools, UnsupportedSchema
 from ladle.sampling_params import SamplingParams, StructuredOutputsParams, ThinkTags
 from ladle.structured_output.limits import ConstraintTooLarge, GrammarLimits, check_schema
 

@@ -10,23 +10,23 @@ from fastapi import Request
 from jinja2 import TemplateSyntaxError
 from pydantic import ValidationError
 
+from ladle.entrypoints.openai.chat.output import ChoicePiece, ChoiceReader, finish_reason, read_whole
+from ladle.entrypoints.openai.chat.render import chars, chat_prompt, render
+from ladle.entrypoints.openai.chat.tools import ToolPlan, constrain, gated, tool_plan
+from ladle.entrypoints.openai.field_policy import CHAT_EFFORT
+from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
 from ladle.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
     ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
 )
-from ladle.entrypoints.openai.chat_output import ChoicePiece, ChoiceReader, finish_reason, read_whole
-from ladle.entrypoints.openai.chat_render import chars, chat_prompt, render
-from ladle.entrypoints.openai.chat_tools import ToolPlan, constrain, gated, tool_plan
-from ladle.entrypoints.openai.field_policy import CHAT_EFFORT
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs, template_controls
-from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
-from ladle.frontend.message_marks import LAST_MESSAGES
-from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
-from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
 )
+from ladle.entrypoints.openai.structured_request import structured_outputs_of
+from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
+from ladle.frontend.message_marks import LAST_MESSAGES
 
 
 def chat_template_problem(tokenizer: Any) -> str | None:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladle.entrypoints.openai.reasoning_parser import PARSERS, ReasoningParser
-from ladle.entrypoints.openai.tool_parsers import ARCHITECTURE_PARSERS, FORMATS
-from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
+from ladle.entrypoints.openai.chat.reasoning_parser import PARSERS, ReasoningParser
+from ladle.entrypoints.openai.chat.tool_parsers import ARCHITECTURE_PARSERS, FORMATS
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolFormat
 from ladle.gguf.path import gguf_file_of
 
 

@@ -10,8 +10,8 @@ import json
 import secrets
 from typing import Any, Callable, Iterator
 
-from ladle.entrypoints.openai.chat_output import ChoicePiece
-from ladle.entrypoints.openai.responses_tools import ClientTool, InputStream, custom_input
+from ladle.entrypoints.openai.chat.output import ChoicePiece
+from ladle.entrypoints.openai.responses.tools import ClientTool, InputStream, custom_input
 
 
 def item_id(prefix: str) -> str:

@@ -21,9 +21,9 @@ import json
 import re
 from collections.abc import Mapping
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, ToolFormat, Tools
-from ladle.entrypoints.openai.tool_parsers.hermes import calls_schema, object_end
-from ladle.entrypoints.openai.tool_parsers.json_calls import json_calls
+from ladle.entrypoints.openai.chat.tool_parsers.base import CallProgress, ToolFormat, Tools
+from ladle.entrypoints.openai.chat.tool_parsers.hermes import calls_schema, object_end
+from ladle.entrypoints.openai.chat.tool_parsers.json_calls import json_calls
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ladle.entrypoints.openai.chat.tool_parsers.json_calls import INPUT
 from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
-from ladle.entrypoints.openai.responses_protocol import (
+from ladle.entrypoints.openai.responses.protocol import (
     CustomTool, FunctionTool, HostedChoice, HostedTool, NamedCustom, NamedFunction, NamespaceTool,
 )
-from ladle.entrypoints.openai.tool_parsers.json_calls import INPUT
 
 SEPARATOR = "."  # between a namespace and its tool's name, in the name the model is shown
 _MAX_NAME = 64  # a function's name, as the chat layer takes it

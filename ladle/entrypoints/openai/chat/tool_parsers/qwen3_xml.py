@@ -22,10 +22,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import (
+from ladle.entrypoints.openai.chat.tool_parsers.base import (
     CallProgress, TaggedFormat, Tools, UnsupportedSchema, partial_suffix,
 )
-from ladle.entrypoints.openai.tool_parsers.parameters import (
+from ladle.entrypoints.openai.chat.tool_parsers.parameters import (
     STRING_TYPES, parameters, raw_regex, refuse_grammars, unsupported, writable,
 )
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE

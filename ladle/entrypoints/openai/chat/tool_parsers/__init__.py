@@ -1,11 +1,11 @@
 """Tool-call parsers by name (vLLM's --tool-call-parser names), and the ones each architecture's templates use."""
 from __future__ import annotations
 
-from ladle.entrypoints.openai.tool_parsers.base import ToolFormat
-from ladle.entrypoints.openai.tool_parsers.deepseek_v4 import DeepSeekV4Format
-from ladle.entrypoints.openai.tool_parsers.hermes import HermesFormat
-from ladle.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonFormat
-from ladle.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3XmlFormat
+from ladle.entrypoints.openai.chat.tool_parsers.base import ToolFormat
+from ladle.entrypoints.openai.chat.tool_parsers.deepseek_v4 import DeepSeekV4Format
+from ladle.entrypoints.openai.chat.tool_parsers.hermes import HermesFormat
+from ladle.entrypoints.openai.chat.tool_parsers.llama3_json import Llama3JsonFormat
+from ladle.entrypoints.openai.chat.tool_parsers.qwen3_xml import Qwen3XmlFormat
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Qwen3XmlFormat(), DeepSeekV4Format(),
                                                        Llama3JsonFormat())}

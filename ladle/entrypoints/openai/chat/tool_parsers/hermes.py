@@ -13,8 +13,8 @@ import json
 import re
 from collections.abc import Mapping
 
-from ladle.entrypoints.openai.tool_parsers.base import CallProgress, TaggedFormat, Tools
-from ladle.entrypoints.openai.tool_parsers.json_calls import json_calls
+from ladle.entrypoints.openai.chat.tool_parsers.base import CallProgress, TaggedFormat, Tools
+from ladle.entrypoints.openai.chat.tool_parsers.json_calls import json_calls
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.property_names import rewrite_property_names
 from ladle.structured_output.schema_refs import relocate

@@ -6,17 +6,17 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
+from ladle.entrypoints.openai.generation_stream import (
+    ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
+)
 from ladle.entrypoints.openai.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
     OpenAIError, PromptLogprob,
 )
-from ladle.entrypoints.openai.generation_stream import (
-    ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
-)
-from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.serving_engine import (
     SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
 )
+from ladle.entrypoints.openai.structured_request import structured_outputs_of
 
 Prompt = str | list[int]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ladle.entrypoints.openai.anthropic_protocol import (
+from ladle.entrypoints.openai.anthropic.protocol import (
     AnthropicMessage, ClearThinkingEdit, ClearToolUsesEdit, RedactedThinkingBlock, SystemMessage, TextBlock,
     ThinkingBlock, ToolResultBlock, ToolUseBlock,
 )

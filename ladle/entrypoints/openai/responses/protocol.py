@@ -123,7 +123,7 @@ class GrammarInputFormat(_Request):
 
 class CustomTool(_Request):
     """A tool whose input is free text, not JSON arguments (Codex's apply_patch), held to a Lark grammar or a
-    regex when format says so (how the model is shown it: ladle.entrypoints.openai.responses_tools)."""
+    regex when format says so (how the model is shown it: ladle.entrypoints.openai.responses.tools)."""
     type: Literal["custom"]
     name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Text | None = None

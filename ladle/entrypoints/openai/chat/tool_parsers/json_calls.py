@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from ladle.entrypoints.openai.tool_parsers.base import Tools, UnsupportedSchema
+from ladle.entrypoints.openai.chat.tool_parsers.base import Tools, UnsupportedSchema
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.json_string_grammar import UnsupportedGrammar, json_string_grammar
 

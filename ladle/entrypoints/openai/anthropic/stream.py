@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterator
 
-from ladle.entrypoints.openai.chat_output import ChoicePiece
+from ladle.entrypoints.openai.anthropic.thinking_signature import SHOWN, seal
+from ladle.entrypoints.openai.chat.output import ChoicePiece
 from ladle.entrypoints.openai.protocol import UsageInfo
-from ladle.entrypoints.openai.thinking_signature import SHOWN, seal
 
 
 def event(name: str, data: dict[str, Any]) -> str:

@@ -23,10 +23,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import (
+from ladle.entrypoints.openai.chat.tool_parsers.base import (
     CallProgress, ToolFormat, Tools, UnsupportedSchema, partial_suffix,
 )
-from ladle.entrypoints.openai.tool_parsers.parameters import raw_regex, refuse_grammars, unsupported, writable
+from ladle.entrypoints.openai.chat.tool_parsers.parameters import raw_regex, refuse_grammars, unsupported, writable
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.schema_refs import standalone
 

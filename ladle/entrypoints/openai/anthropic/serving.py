@@ -12,23 +12,23 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
-from ladle.entrypoints.openai.anthropic_protocol import (
+from ladle.entrypoints.openai.anthropic.context_edits import (
+    Messages, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
+)
+from ladle.entrypoints.openai.anthropic.protocol import (
     AnthropicMessage, ClearThinkingEdit, CountTokensRequest, ImageBlock, MessagesRequest, RedactedThinkingBlock,
     SystemMessage, TextBlock, ThinkingBlock, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, anthropic_error,
 )
-from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
-from ladle.entrypoints.openai.chat_render import chars, chat_prompt, render
-from ladle.entrypoints.openai.context_edits import (
-    Messages, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
-)
+from ladle.entrypoints.openai.anthropic.stream import BlockWriter, event, stop_reason, usage
+from ladle.entrypoints.openai.anthropic.thinking_signature import SHOWN, seal, unseal
+from ladle.entrypoints.openai.chat.output import ChoiceReader, read_whole
+from ladle.entrypoints.openai.chat.render import chars, chat_prompt, render
+from ladle.entrypoints.openai.chat.serving import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.field_policy import (
     BETA, BILLING_HEADER, BILLING_PREFIX, KEEP_ALL_THINKING, MESSAGES_EFFORT, header_no_ops,
 )
-from ladle.entrypoints.openai.messages_stream import BlockWriter, event, stop_reason, usage
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
-from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import client_of, respond
-from ladle.entrypoints.openai.thinking_signature import SHOWN, seal, unseal
 
 
 def tool_use_id(call_id: str) -> str:

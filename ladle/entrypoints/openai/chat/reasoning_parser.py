@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import partial_suffix
+from ladle.entrypoints.openai.chat.tool_parsers.base import partial_suffix
 from ladle.sampling_params import ThinkTags
 
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ladle.entrypoints.openai.tool_parsers.base import UnsupportedSchema
+from ladle.entrypoints.openai.chat.tool_parsers.base import UnsupportedSchema
 from ladle.structured_output.property_names import rewrite_property_names
 from ladle.structured_output.schema_refs import deref
 

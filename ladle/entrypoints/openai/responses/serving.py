@@ -1,8 +1,8 @@
 """POST /v1/responses: the OpenAI Responses API, stateless, on the same engine, parsers and limits as chat. A
 request is read into a chat request (instructions to the system message, items to messages: a function_call or
 custom_tool_call to an assistant's tool call, its output item to the tool's answer, reasoning to
-reasoning_content; tools as ladle.entrypoints.openai.responses_tools shows them), and the answer written as
-output items, whole or streamed (ladle.entrypoints.openai.responses_stream), calls under the client's names."""
+reasoning_content; tools as ladle.entrypoints.openai.responses.tools shows them), and the answer written as
+output items, whole or streamed (ladle.entrypoints.openai.responses.stream), calls under the client's names."""
 from __future__ import annotations
 
 import json
@@ -11,20 +11,20 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
-from ladle.entrypoints.openai.chat_output import ChoiceReader, read_whole
+from ladle.entrypoints.openai.chat.output import ChoiceReader, read_whole
+from ladle.entrypoints.openai.chat.reasoning_parser import thinking_tokens
+from ladle.entrypoints.openai.chat.serving import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.field_policy import RESPONSES_EFFORT, hosted_tool
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs
-from ladle.entrypoints.openai.reasoning_parser import thinking_tokens
-from ladle.entrypoints.openai.responses_protocol import (
+from ladle.entrypoints.openai.responses.protocol import (
     CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem, FunctionCallOutputItem, ItemReference,
     MessageItem, Part, ReasoningItem, ResponsesRequest, TextPart,
 )
-from ladle.entrypoints.openai.responses_stream import ResponsesWriter, message_item, reasoning_item, tool_item
-from ladle.entrypoints.openai.responses_tools import (
+from ladle.entrypoints.openai.responses.stream import ResponsesWriter, message_item, reasoning_item, tool_item
+from ladle.entrypoints.openai.responses.tools import (
     ResponsesTools, custom_arguments, custom_input, model_name, responses_tools,
 )
-from ladle.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.serving_engine import client_of, respond, sse_error
 
 
