@@ -75,9 +75,9 @@ def init_tensor_parallel(rank: int, world_size: int, store_port: int, device_typ
     if store is None:
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    kwargs = {"device_id": torch.device("cuda", rank)} if device_type == "cuda" else {}
+    device_id = torch.device("cuda", rank) if device_type == "cuda" else None  # None: init_process_group's default
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
-                            **kwargs)
+                            device_id=device_id)
     return TensorParallel(rank, world_size)
 
 

@@ -17,8 +17,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ladle.paths import cache_dir
 
@@ -55,8 +55,8 @@ def build(compiler: str | None = None) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers) + " ".join(FLAGS).encode() + version.encode()
-                         + _cpu_signature()).hexdigest()[:20]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers) + " ".join(FLAGS).encode()
+                         + version.encode() + _cpu_signature()).hexdigest()[:20]
     target = cache_dir("kernels", "LADLE_KERNEL_CACHE_DIR") / f"ladle_cpu_{key}.so"
     if target.exists():
         return target

@@ -9,7 +9,7 @@ state checkpoint whose hit reads the block goes with it).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 BlockKey = tuple[int, int]  # (prefix node, KV cache group): the identity of a cached block's contents
 

@@ -8,7 +8,8 @@ evict the compressed blocks that every hit also needs, and measured fewer hits u
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ladle.kv_cache.block_pool import BlockPool

@@ -22,15 +22,16 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ladle.kv_cache.block_pool import BlockPool
+from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 from ladle.kv_cache.group_tables import GroupTables
 from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
 from ladle.kv_cache.state_checkpoints import CheckpointCopy, StateCheckpoints
-from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 
 if TYPE_CHECKING:
     from ladle.request import Request

@@ -10,8 +10,9 @@ What a hit at position P (k full blocks) needs, per kind:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from ladle.kv_cache.block_pool import BlockPool

@@ -12,8 +12,8 @@ request holds the same slot index in all of them from admission to finish or pre
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -157,7 +157,8 @@ class KVCacheLayout:
 
     @property
     def num_layers(self) -> int:
-        return 1 + max(layer for g in (*self.groups, *self.state_groups) for layer in g.layers)
+        groups: tuple[KVCacheGroup | StateGroup, ...] = (*self.groups, *self.state_groups)
+        return 1 + max(layer for g in groups for layer in g.layers)
 
     @property
     def state_bytes_per_request(self) -> int:
@@ -171,8 +172,8 @@ class KVCacheLayout:
 
     def checkpoint_bytes(self, block_size: int) -> int:
         """One state checkpoint: a request's state slot, and a page per layer of each compressed group."""
-        return self.state_bytes_per_request + sum(len(self.groups[i].layers) * self.groups[i].spec.page_bytes(block_size)
-                                                  for i in self.tail_groups)
+        return self.state_bytes_per_request + sum(
+            len(self.groups[i].layers) * self.groups[i].spec.page_bytes(block_size) for i in self.tail_groups)
 
     @property
     def num_tensors(self) -> int:

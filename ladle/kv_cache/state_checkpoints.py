@@ -13,8 +13,8 @@ first when a pending one needs a slot, and with a window block their hit reads w
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -41,7 +41,7 @@ def _pow2_scales(amax: torch.Tensor, top: float) -> torch.Tensor:
 
 def quantize_block_fp8_e8m0(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As quantize_block_fp8, with power-of-two scales stored as E8M0 bytes (DeepSeek-V4's scale_fmt ue8m0)."""
-    values, scales = quantize_block_fp8(weight, block)
+    _, scales = quantize_block_fp8(weight, block)
     pow2 = _pow2_scales(scales * E4M3_MAX, E4M3_MAX)
     rows, cols = block
     grid = pow2.repeat_interleave(rows, 0)[: weight.shape[0]].repeat_interleave(cols, 1)[:, : weight.shape[1]]

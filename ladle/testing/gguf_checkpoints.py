@@ -11,8 +11,9 @@ bad files the tests need (an unknown key, a missing tensor).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def tiny_hf_model(arch: str, seed: int = 0, **config: Any) -> tuple[Any, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = build_tokenizer(tmp, vocab_size=512)
-    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    shape: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=2048, rms_norm_eps=1e-6)
     if arch == "qwen3":  # tied, as Qwen3's small models are: the file has no output.weight
         shape.update(num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=True)
