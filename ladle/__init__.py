@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 _HOMES = {"LLM": "ladle.entrypoints.llm", "SamplingParams": "ladle.sampling_params",
           "RequestOutput": "ladle.outputs", "CompletionOutput": "ladle.outputs", "Logprob": "ladle.outputs"}
 

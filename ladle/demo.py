@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -147,8 +148,15 @@ def build_checkpoint(
     """
     import torch
     from transformers import (
-        AutoModelForCausalLM, DeepseekV4Config, GenerationConfig, LlamaConfig, MistralConfig, Qwen3_5MoeTextConfig,
-        Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
+        AutoModelForCausalLM,
+        DeepseekV4Config,
+        GenerationConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     config_classes = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,

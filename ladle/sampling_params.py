@@ -72,7 +72,8 @@ class StructuredOutputsParams:
         if len(set_) != 1:
             raise InvalidSamplingParam("structured_outputs", f"must set exactly one of {', '.join(_CONSTRAINTS)} "
                                        f"(set: {', '.join(set_) or 'none'})", self)
-        kinds = {"json": (str, dict), "regex": str, "choice": list, "grammar": str, "json_object": bool}
+        kinds: dict[str, type | tuple[type, ...]] = {"json": (str, dict), "regex": str, "choice": list, "grammar": str,
+                                                     "json_object": bool}
         value = getattr(self, set_[0])
         if not isinstance(value, kinds[set_[0]]):
             raise InvalidSamplingParam(f"structured_outputs.{set_[0]}", "has the wrong type", value)
@@ -133,6 +134,12 @@ class SamplingParams:
             self.top_k = 0
         self._verify()
 
+    @property
+    def stop_list(self) -> list[str]:
+        """stop as __post_init__ leaves it: always a list."""
+        assert isinstance(self.stop, list)
+        return self.stop
+
     def _verify(self) -> None:
         def bad(name: str, rule: str) -> InvalidSamplingParam:
             return InvalidSamplingParam(name, rule, getattr(self, name))
@@ -175,7 +182,7 @@ class SamplingParams:
             # vLLM's -1 (the whole vocabulary) is refused as for logprobs: a Logprob per vocabulary entry per
             # prompt token is rarely what a client can hold.
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(not isinstance(s, str) or s == "" for s in self.stop_list):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold token ids >= 0")
@@ -194,7 +201,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def for_child(self, index: int) -> "SamplingParams":
+    def for_child(self, index: int) -> SamplingParams:
         """Params of the index-th of n parallel samples: n=1, and a distinct seed so samples differ."""
         seed = None if self.seed is None else self.seed + index
         if seed is not None and seed >= 2**64:

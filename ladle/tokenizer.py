@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ladle.gguf.path import gguf_file_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                "added_tokens.json")
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of an HF checkpoint directory, or of a GGUF file (or a directory holding one, and no
     config.json), built from the file's metadata."""
     from transformers import AutoTokenizer

@@ -45,7 +45,7 @@ def child_states(cls: type[C], tokenizer: Any, child_ids: list[str], prompts: li
                  params: SamplingParams) -> list[C]:
     """The states of a user request's children (params.n per prompt, ids from child_request_ids), sharing one
     stop-string matcher; cls: ChildState or a frontend's subclass of it."""
-    stop = StopMatcher(params.stop)
+    stop = StopMatcher(params.stop_list)
     return [cls(child_id=cid, index=i, prompt_index=i // params.n, detok=IncrementalDetokenizer(
                 tokenizer, prompts[i // params.n], stop, params.include_stop_str_in_output,
                 params.skip_special_tokens, min_tokens=params.min_tokens))

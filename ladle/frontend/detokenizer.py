@@ -7,7 +7,8 @@ text gained. A window always starts at a character boundary, so the result equal
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ladle.frontend.stop_strings import StopMatcher
 from ladle.outputs import Logprob

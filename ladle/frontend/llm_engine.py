@@ -25,7 +25,7 @@ class LLMEngine:
         self.grammars = GrammarChecker()
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         args, explicit = EngineArgs.from_kwargs(**kwargs)
         return cls(args, explicit)
 
@@ -39,7 +39,8 @@ class LLMEngine:
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise TypeError(f"a prompt is a str, {{'prompt_token_ids': [...]}} or {{'prompt': str}}; got {type(prompt).__name__}")
+        raise TypeError("a prompt is a str, {'prompt_token_ids': [...]} or {'prompt': str}; "
+                        f"got {type(prompt).__name__}")
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:

@@ -4,7 +4,8 @@ the conversation with a new tail (a tool result, a re-rendered reply with its th
 at the end of the last unchanged message lets it resume there."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 LAST_MESSAGES = 3  # the latest message ends: earlier ones were marked on earlier turns
 

@@ -15,7 +15,7 @@ in per-node dicts. Fail links and longest-match lengths are int arrays too.
 from __future__ import annotations
 
 from array import array
-from typing import Iterable
+from collections.abc import Iterable
 
 _NO_CHAIN = -1  # chain[u] when node u + 1 is not a child of u
 
@@ -24,7 +24,7 @@ class StopMatcher:
     """Aho-Corasick automaton over a request's stop strings (empty ones dropped, duplicates harmless).
     Immutable once built: share it between the detokenizers of one request's choices."""
 
-    __slots__ = ("_chain", "_branch", "_root", "_fail", "_longest", "max_len", "num_nodes")
+    __slots__ = ("_branch", "_chain", "_fail", "_longest", "_root", "max_len", "num_nodes")
 
     def __init__(self, stop: Iterable[str]) -> None:
         chain = array("i", [_NO_CHAIN])  # chain[u]: the code point of the edge u -> u + 1
