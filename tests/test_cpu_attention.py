@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from ladle.attention import torch_ref
-from ladle.attention.backends import CpuAttention, TorchAttention, resolve_backend, select_backend
+from ladle.attention.cpu_attention import CpuAttention
 from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.selector import resolve_backend, select_backend
+from ladle.attention.torch_backend import TorchAttention
 from ladle.kernels.cpu_kernels import build, load
 from ladle.kv_cache.specs import AttentionSpec
 

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from hf_oracle import ladle_tokens  # noqa: E402
 from ladle import LLM, SamplingParams  # noqa: E402
-from ladle.attention.backends import TritonAttention  # noqa: E402
+from ladle.attention.triton_backend import TritonAttention  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 from test_deepseek_v4 import CSA, HCA, SW, build, prompts_of  # noqa: E402
 

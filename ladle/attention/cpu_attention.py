@@ -9,41 +9,54 @@ torch, 0.63 ms in C (3.5x; bf16 7.6 ms against 0.63, 12x).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from ladle.attention import torch_ref
-from ladle.attention.backend_base import BackendBase, CommonAttentionMetadata
+from ladle.attention.backend import AttentionBackend, BackendMetadata, CacheKind
 from ladle.attention.metadata import AttentionMetadata
-from ladle.kernels.cpu_kernels import CpuKernels
-from ladle.kv_cache.specs import AttentionSpec
+from ladle.kernels.cpu_kernels import CpuKernels, KernelUnavailable
+from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 
-_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
-@dataclass(frozen=True)
-class CpuAttentionMetadata(AttentionMetadata):
+@dataclass(frozen=True, kw_only=True)
+class CpuAttentionMetadata(BackendMetadata):
+    backend: CpuAttention
     # The step's decode rows as the C kernel reads them (sequences, query rows, tables, lengths), built by the
     # group's first layer that attends and reused by the rest of the step's layers.
     decode_plan: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
 
-class CpuAttention(BackendBase):
+class CpuAttention(AttentionBackend):
     """Decode rows in C (any window), prefill chunks in torch."""
 
-    name = "cpu"
+    name: ClassVar[str] = "cpu"
+    description: ClassVar[str] = "decode rows in ladle's C kernel (the KV pool read in place), prefills in torch"
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    dtypes: ClassVar[frozenset[torch.dtype]] = _DTYPES
+    kinds: ClassVar[frozenset[CacheKind]] = frozenset({CacheKind.FULL, CacheKind.SLIDING_WINDOW})
+    # Named, it still leaves the groups the C kernel cannot read (DeepSeek-V4's shared K=V, fp16) to torch: its
+    # prefills run there anyway.
+    fallback: ClassVar[str | None] = "torch"
+    metadata_cls: ClassVar[type[BackendMetadata]] = CpuAttentionMetadata
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
 
-    def build_metadata(self, common: CommonAttentionMetadata, slot_mapping: torch.Tensor,
-                       block_tables: torch.Tensor, window: int | None) -> AttentionMetadata:
-        return CpuAttentionMetadata(slot_mapping, common.cu_seqlens_q, common.context_lens, block_tables,
-                                    common.query_lens, common.context_lens_host, common.block_size, window, self)
+    @classmethod
+    def unavailable(cls) -> str | None:
+        try:
+            load_cpu_kernels()
+        except KernelUnavailable as e:
+            return f"needs ladle's C kernels, which are unavailable here ({e})"
+        return None
 
-    @staticmethod
-    def supports(spec: AttentionSpec) -> bool:
-        return spec.dtype in _DTYPES and spec.compress_rate == 1 and not spec.kv_shared
+    @classmethod
+    def create(cls) -> CpuAttention:
+        return cls(load_cpu_kernels())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,14 +1,29 @@
-"""What an attention backend needs to know about one step and one KV cache group."""
+"""What the kernels read about one step: each KV cache group's attention inputs, what every group shares, and
+each state layer's rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
+class CommonAttentionMetadata:
+    """What every KV cache group's metadata shares in one step (vLLM's name)."""
+
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
+    """One KV cache group's attention inputs, as every kernel reads them. A backend builds a subclass of its own
+    that also names it (ladle.attention.backend.BackendMetadata); tests and benchmarks that call a kernel alone
+    build this one by hand."""
+
     slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
     cu_seqlens_q: torch.Tensor  # [B+1] int32: new tokens of request i are rows cu[i]:cu[i+1]
     context_lens: torch.Tensor  # [B] int32: KV length of request i after this step (cached + new)
@@ -17,8 +32,6 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...]
     block_size: int
     sliding_window: int | None = None  # a query at position p reads keys (p - W, p] only
-    # The backend the engine chose for this group at startup; the model's attention layers call it.
-    backend: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,7 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names: FULL replays decode-only and mixed (prefill-carrying) steps from graphs, FULL_DECODE_ONLY only
 # decode-only steps.
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
-ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.backends
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.registry.BACKENDS (tests/test_attention_registry.py)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ladle.attention.backends import AttentionGroup
+from ladle.attention.groups import AttentionGroup
 from ladle.kv_cache.specs import StateGroup
 from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.runner.payload import ChunkSpec

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ladle.attention.backends import AttentionGroup
+from ladle.attention.groups import AttentionGroup
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ladle.attention.backends import AttentionGroup
+from ladle.attention.groups import AttentionGroup
 from ladle.runner.cuda_graphs import Captured, capture_sizes
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch

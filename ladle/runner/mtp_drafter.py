@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ladle.attention.backends import AttentionGroup
+from ladle.attention.groups import AttentionGroup
 from ladle.kv_cache.specs import layer_groups
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.payload import ChunkSpec

@@ -40,7 +40,7 @@ class EngineConfig:
     async_scheduling: bool = False
     partial_prefills: PartialPrefillLimits | None = None  # None: the defaults (default_limits)
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "torch"  # ladle.attention.backends.resolve_backend's choice
+    attention_backend: str = "torch"  # ladle.attention.selector.resolve_backend's choice
     settings: dict[str, Setting] = field(default_factory=dict)
     plan: MemoryPlan | None = None  # what sized the memory settings
     kv_layout: KVCacheLayout | None = None  # the KV cache groups and what a block costs
