@@ -1,6 +1,6 @@
 """CPU linear layers by row count: torch's F.linear (row-major weight, MKL), oneDNN's pre-packed weight (the
 fallback without a C compiler, as vLLM's CPU backend runs its linears) and ladle's skinny_linear C kernel
-(ladle.models.cpu_linear.CpuLinear), one thread, on the shapes of a model's layers and head. Each cell is the
+(ladle.models.layers.cpu_linear.CpuLinear), one thread, on the shapes of a model's layers and head. Each cell is the
 median of interleaved repeats. The first table calls one weight again and again (hot in cache: per-call costs);
 the second runs every linear of the model once per step, as a decode step does, so the weights stream from
 memory, in float32 and in bfloat16 (where oneDNN cannot pack bf16 on this CPU, its column is empty).
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MODELS, command, machine, per_call_ms, write_markdown  # noqa: E402
 
 from ladle.kernels.cpu_kernels import load  # noqa: E402
-from ladle.models.cpu_linear import CpuLinear, pack, packed_linear  # noqa: E402
+from ladle.models.layers.cpu_linear import CpuLinear, pack, packed_linear  # noqa: E402
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

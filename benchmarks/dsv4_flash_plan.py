@@ -67,7 +67,7 @@ def full_flash_bytes() -> tuple[float, str]:
     from torch import nn
     from transformers import DeepseekV4Config
 
-    from ladle.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from ladle.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from ladle.quantization.apply import use_fp8_linears, weights_format
     from ladle.quantization.config import quant_config_of
     from ladle.testing.fp8_checkpoints import dsv4_release_format

@@ -22,7 +22,8 @@ def _compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
 def ops_check(device: torch.device, small: bool) -> dict[str, Any]:
     """Each fused op on the device against the torch ops it replaces, run on CPU copies of the same bf16
     inputs (the HF-exact reference path); at the 8B shapes unless small."""
-    from ladle.models.layers import RMSNorm, apply_rotary
+    from ladle.models.layers.decoder_layer import RMSNorm
+    from ladle.models.layers.ops import apply_rotary
     from ladle.kernels import triton_ops
 
     hidden, inter, hq, hk, d = (64, 128, 8, 2, 16) if small else (4096, 12288, 32, 8, 128)
@@ -68,8 +69,8 @@ def ops_check(device: torch.device, small: bool) -> dict[str, Any]:
 def _experts_check(device: torch.device, small: bool, rand: Any) -> dict[str, Any]:
     """The Triton grouped-GEMM experts against the torch ones at a Qwen3-30B-A3B layer's shape (128 experts
     of 768, top 8), bf16: close, not bitwise (the k slots of a token are summed in another order)."""
-    from ladle.models.moe import route
-    from ladle.models.ops import TorchOps, TritonOps
+    from ladle.models.layers.moe import route
+    from ladle.models.layers.ops import TorchOps, TritonOps
 
     experts, inter, hidden, top_k, t = (8, 32, 64, 2, 37) if small else (128, 768, 2048, 8, 256)
     w13, w2, x = rand(experts, 2 * inter, hidden) * 0.05, rand(experts, hidden, inter) * 0.05, rand(t, hidden)
@@ -116,7 +117,7 @@ def engine_vs_hf(device: torch.device, workdir: Path, small: bool) -> dict[str, 
     DeepSeek-V4, whose state layers derive them off), a 128-token step budget (so prompts prefill in
     chunks beside decodes) and the eager engine, against HF's greedy loop; then prompts sharing the longest
     prompt's head, one after another with prefix caching (the state models resume from state checkpoints)."""
-    from ladle.models.ops import TritonOps
+    from ladle.models.layers.ops import TritonOps
 
     hybrid = dict(arch="qwen3_5", layer_types=["linear_attention", "linear_attention", "linear_attention",
                                                "full_attention"],

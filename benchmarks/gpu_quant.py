@@ -31,8 +31,8 @@ def fp8_check(device: torch.device, small: bool) -> dict[str, Any]:
 
     from ladle.kernels import triton_moe
     from ladle.kernels.triton_quant import fp8_linear
-    from ladle.models.moe import route
-    from ladle.models.ops import TorchOps
+    from ladle.models.layers.moe import route
+    from ladle.models.layers.ops import TorchOps
     from ladle.quantization.fp8_linear import Fp8ExpertStack, dequantize_blocks
     from ladle.quantization.mxfp4 import Mxfp4ExpertStack
     from ladle.testing.fp8_checkpoints import quantize_block_fp8, quantize_mxfp4

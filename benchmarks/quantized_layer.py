@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ladle.kernels.cpu_kernels import load
-from ladle.models.cpu_linear import CpuLinear
+from ladle.models.layers.cpu_linear import CpuLinear
 from ladle.quantization.fp8_linear import fp8_kernel_linear
 from ladle.testing.fp8_checkpoints import quantize_block_fp8
 

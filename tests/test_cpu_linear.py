@@ -1,4 +1,4 @@
-"""CpuLinear (ladle.models.cpu_linear): skinny_linear for decode-sized inputs, F.linear above, checked against
+"""CpuLinear (ladle.models.layers.cpu_linear): skinny_linear for decode-sized inputs, F.linear above, checked against
 F.linear on odd shapes, both dtypes, with and without bias; and what a loaded model's layers became."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.kernels.cpu_kernels import load
-from ladle.models.cpu_linear import SKINNY_MAX_ROWS, CpuLinear, use_cpu_linears
+from ladle.models.layers.cpu_linear import SKINNY_MAX_ROWS, CpuLinear, use_cpu_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

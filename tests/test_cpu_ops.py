@@ -1,4 +1,4 @@
-"""CpuOps (ladle.models.cpu_ops): the C versions of RMSNorm, residual add + RMSNorm and q/k norm + rope against
+"""CpuOps (ladle.models.layers.cpu_ops): the C versions of RMSNorm, residual add + RMSNorm and q/k norm + rope against
 TorchOps, the HF-exact torch versions, on strided views, both dtypes, with and without q/k norms."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ladle.kernels.cpu_kernels import load
-from ladle.models.cpu_ops import CpuOps
-from ladle.models.layers import RotaryEmbedding
-from ladle.models.ops import TorchOps
+from ladle.models.layers.cpu_ops import CpuOps
+from ladle.models.layers.decoder_layer import RotaryEmbedding
+from ladle.models.layers.ops import TorchOps
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_caches_are_a_shared_kv_window_and_a_compressor_slot_per_compressed_laye
 
 
 def test_ties_at_the_kth_score_go_to_the_earliest_entry():
-    from ladle.models.deepseek_v4_compressor import _top_k_earliest
+    from ladle.models.deepseek_v4.compressor import _top_k_earliest
 
     scores = torch.tensor([[0.5, 0.0, 0.0, 0.0, -1.0, 0.0], [0.1, 0.2, float("-inf"), 0.3, 0.0, 0.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])

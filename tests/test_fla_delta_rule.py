@@ -15,7 +15,7 @@ if not ON_GPU:
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 from ladle.attention.metadata import StateMetadata  # noqa: E402
-from ladle.models.delta_rule import fla_gated_delta_rule, torch_gated_delta_rule  # noqa: E402
+from ladle.models.layers.delta_rule import fla_gated_delta_rule, torch_gated_delta_rule  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -77,8 +77,8 @@ def test_a_qwen3_5_model_runs_the_fla_rule_end_to_end(tmp_path):
     tokens as the torch reference."""
     from ladle import LLM, SamplingParams
     from ladle.demo import build_checkpoint
-    from ladle.models.gated_deltanet import GatedDeltaNet
-    from ladle.models.ops import TritonOps
+    from ladle.models.layers.gated_deltanet import GatedDeltaNet
+    from ladle.models.layers.ops import TritonOps
 
     path = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,

@@ -252,14 +252,14 @@ def test_fp8_at_tensor_parallel_size_2_equals_hf(tmp_path):
 def test_a_tensor_parallel_share_off_the_block_grid_is_refused(fp8):
     """At TP 4 each rank's q rows are 64 of a 128-row block, its k rows start mid-block: refused."""
     from ladle.distributed.parallel_state import TensorParallel
-    from ladle.models.loader import load_model
+    from ladle.models.loading.loader import load_model
 
     with pytest.raises(ValueError, match="off the 128-(row|wide) (FP8 )?block grid"):
         load_model(fp8[0], torch.device("cpu"), torch.float32, tp=TensorParallel(0, 4))
 
 
 def test_scale_slices_follow_the_weight_slices():
-    from ladle.models.tensor_parallel import Slice
+    from ladle.models.loading.tensor_parallel import Slice
     from ladle.quantization.apply import with_scale_slices
 
     dtypes = {"o.weight": "F8_E4M3", "o.weight_scale_inv": "F32", "b.weight": "BF16"}

@@ -74,7 +74,7 @@ def test_greedy_equals_hf_gguf_load_under_chunked_prefill(gguf_dir, arch: str, q
 
 def test_model_as_a_directory_holding_one_gguf(gguf_dir, tmp_path: Path) -> None:
     """--model DIR with one .gguf and no config.json loads that file; a second .gguf makes it ambiguous."""
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     directory = gguf_dir("llama", "Q8_0")
     assert load_config(str(directory)).architectures == ["LlamaForCausalLM"]
@@ -88,7 +88,7 @@ def test_model_as_a_directory_holding_one_gguf(gguf_dir, tmp_path: Path) -> None
 def test_config_from_metadata(gguf_dir) -> None:
     """Every field the model computes with comes from the file: sizes, heads, head size, rope base, eps, tied
     head (no output.weight), special ids; llama's 4/2 heads, qwen3's head size from attention.key_length."""
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     model, _ = _model("qwen3")
     config = load_config(str(gguf_dir("qwen3", "F16")))
@@ -151,7 +151,7 @@ def _write_bad(tmp_path: Path, arch: str = "llama", **kwargs: Any) -> str:
 
 
 def test_missing_tensor_is_named(tmp_path: Path) -> None:
-    from ladle.models.loader import load_model
+    from ladle.models.loading.loader import load_model
 
     path = _write_bad(tmp_path, drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ValueError, match=r"lacks tensors the config needs: blk\.1\.ffn_up\.weight"):
@@ -159,7 +159,7 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_named(tmp_path: Path) -> None:
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     path = _write_bad(tmp_path, arch="falcon")
     with pytest.raises(ValueError, match=r"general\.architecture 'falcon' is not one ladle loads from GGUF; "
@@ -175,7 +175,7 @@ def test_unknown_architecture_is_named(tmp_path: Path) -> None:
 def test_computation_changing_key_is_refused_by_name(tmp_path: Path, key: str, value: tuple, message: str) -> None:
     from gguf import GGUFValueType
 
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     path = _write_bad(tmp_path, extra_keys={key: (value[0], GGUFValueType[value[1]])})
     with pytest.raises(ValueError, match=message):
@@ -186,7 +186,7 @@ def test_informational_keys_are_known(tmp_path: Path) -> None:
     """Provenance keys (a licence, a base model's name) load without complaint."""
     from gguf import GGUFValueType
 
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     path = _write_bad(tmp_path, extra_keys={"general.license": ("apache-2.0", GGUFValueType.STRING),
                                             "general.base_model.0.name": ("base", GGUFValueType.STRING)})
@@ -197,7 +197,7 @@ def test_misshapen_tensor_is_named(tmp_path: Path) -> None:
     """A file whose metadata says a wider MLP than its tensors hold fails naming the first tensor that differs."""
     from gguf import GGUFValueType
 
-    from ladle.models.loader import load_model
+    from ladle.models.loading.loader import load_model
 
     model, tok = _model("llama")
     path = tmp_path / "wide.gguf"

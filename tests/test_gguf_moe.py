@@ -54,7 +54,7 @@ def test_greedy_equals_hf_gguf_load_under_chunked_prefill(moe_file, qtype: str) 
     moe_intermediate_size; it sets norm_topk_prob true as llama.cpp computes, as ladle's config does."""
     from transformers import AutoModelForCausalLM
 
-    from ladle.models.moe import FusedMoE
+    from ladle.models.layers.moe import FusedMoE
     from ladle.quantization.ggml_linear import GgmlLinear
 
     file = moe_file(qtype)
@@ -84,7 +84,7 @@ def test_greedy_equals_hf_gguf_load_under_chunked_prefill(moe_file, qtype: str) 
 def test_config_from_metadata(moe_file) -> None:
     """The expert fields come from the file's qwen3moe.expert_* keys; what llama.cpp's qwen3moe graph fixes
     (renormalised top-k, every layer sparse) is set; the untied head is read from output.weight."""
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     model, _ = _model()
     config = load_config(str(moe_file("Q8_0")))
@@ -96,7 +96,7 @@ def test_config_from_metadata(moe_file) -> None:
 
 
 def test_missing_expert_stack_is_named(tmp_path: Path) -> None:
-    from ladle.models.loader import load_model
+    from ladle.models.loading.loader import load_model
 
     model, tok = _model()
     path = write_gguf(model, tok, tmp_path / "bad.gguf", "qwen3moe", "Q8_0", drop=("blk.1.ffn_down_exps.weight",))
@@ -107,7 +107,7 @@ def test_missing_expert_stack_is_named(tmp_path: Path) -> None:
 def test_shared_expert_key_is_refused_by_name(tmp_path: Path) -> None:
     from gguf import GGUFValueType
 
-    from ladle.models.loader import load_config
+    from ladle.models.loading.loader import load_config
 
     model, tok = _model()
     path = write_gguf(model, tok, tmp_path / "shared.gguf", "qwen3moe", "Q8_0", extra_keys={

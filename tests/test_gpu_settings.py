@@ -91,7 +91,7 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     Triton's interpreter: everything the CUDA engine runs except the capture itself."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
     from ladle.attention.backends import TritonAttention
-    from ladle.models.ops import TritonOps, set_ops
+    from ladle.models.layers.ops import TritonOps, set_ops
 
     # The interpreter is slow (each kernel runs program by program in Python): few steps, and prompts of at most
     # 12 tokens under a 16-token step budget, so they still prefill over several steps and finish apart.
@@ -135,7 +135,7 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
     from ladle.attention.backends import TritonAttention
     from ladle.demo import build_checkpoint
-    from ladle.models.ops import TritonOps, set_ops
+    from ladle.models.layers.ops import TritonOps, set_ops
 
     path = tiny_qwen3_dir
     if window is not None:
@@ -179,7 +179,7 @@ def test_both_graph_classes_serve_a_model_with_two_kv_groups(tmp_path: Path) -> 
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
     from ladle.attention.backends import TritonAttention
     from ladle.demo import build_checkpoint
-    from ladle.models.ops import TritonOps, set_ops
+    from ladle.models.layers.ops import TritonOps, set_ops
 
     path = build_checkpoint(tmp_path / "qwen3sw", "qwen3", vocab_size=512, hidden_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ladle import LLM
-from ladle.models.huge_pages import move_weights_to_huge_pages
+from ladle.models.loading.huge_pages import move_weights_to_huge_pages
 
 
 def _thp_eligible(address: int) -> bool:

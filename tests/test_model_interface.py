@@ -34,8 +34,8 @@ def test_every_model_class_has_every_member(arch):
 
 
 def test_moe_layers_are_routed_experts_and_start_with_their_own_routing():
-    from ladle.models.deepseek_v4_moe import MoE
-    from ladle.models.moe import SharedExpertMoeBlock, SparseMoeBlock
+    from ladle.models.deepseek_v4.moe import MoE
+    from ladle.models.layers.moe import SharedExpertMoeBlock, SparseMoeBlock
 
     for cls in (MoE, SparseMoeBlock, SharedExpertMoeBlock):
         assert issubclass(cls, RoutedExperts)
@@ -49,7 +49,7 @@ def test_set_ops_reaches_every_module_that_runs_ops():
     import torch
     from transformers import Qwen3MoeConfig
 
-    from ladle.models.ops import OpsModule, TorchOps, set_ops
+    from ladle.models.layers.ops import OpsModule, TorchOps, set_ops
     from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

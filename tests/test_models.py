@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from ladle.kv_cache.specs import AttentionSpec
-from ladle.models.loader import load_model
+from ladle.models.loading.loader import load_model
 from ladle.models.registry import model_class_for
 from ladle.attention.torch_ref import paged_attention, write_kv
 from ladle.runner.inputs import build_step_inputs

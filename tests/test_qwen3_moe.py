@@ -10,7 +10,7 @@ import torch
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.startup.memory import measure_peak
-from ladle.models.moe import SparseMoeBlock, route
+from ladle.models.layers.moe import SparseMoeBlock, route
 from ladle.runner.step_batch import ScheduledChunk
 from ladle.runner.sampling_batch import sampling_metadata
 

@@ -17,7 +17,7 @@ import pytest
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.distributed.parallel_state import TensorParallel
-from ladle.models.tensor_parallel import kv_heads_of_rank
+from ladle.models.loading.tensor_parallel import kv_heads_of_rank
 from server_harness import ServerProcess, stream_events
 
 pytestmark = [pytest.mark.slow]

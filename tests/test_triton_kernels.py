@@ -176,7 +176,7 @@ def test_model_forward_with_triton_attention() -> None:
     backend, and the fused norms, q/k-norm + rope and SiLU-and-mul of TritonOps) in place of the torch
     reference (on CPU); its logits match the reference path's."""
     from ladle.attention.backends import TritonAttention
-    from ladle.models.ops import TritonOps, set_ops
+    from ladle.models.layers.ops import TritonOps, set_ops
 
     model = tiny_qwen3()
     steps = PREFILL_STEPS + [DECODES]

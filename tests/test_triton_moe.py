@@ -1,5 +1,5 @@
 """The Triton fused-MoE path (expert-sorted blocks, two grouped GEMMs) against the torch experts of
-ladle.models.moe, in Triton's interpreter on CPU; and its kernel compiles for sm_90."""
+ladle.models.layers.moe, in Triton's interpreter on CPU; and its kernel compiles for sm_90."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
-from ladle.models.moe import FusedMoE, route  # noqa: E402
-from ladle.models.ops import TorchOps  # noqa: E402
+from ladle.models.layers.moe import FusedMoE, route  # noqa: E402
+from ladle.models.layers.ops import TorchOps  # noqa: E402
 from ladle.kernels import triton_moe  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
@@ -86,8 +86,8 @@ def test_a_moe_model_runs_the_triton_experts_end_to_end(tmp_path):
     """The whole Qwen3-MoE model with the CUDA code path's experts (interpreted here): same greedy tokens."""
     from ladle import LLM, SamplingParams
     from ladle.demo import build_checkpoint
-    from ladle.models.moe import FusedMoE as Experts
-    from ladle.models.ops import TritonOps
+    from ladle.models.layers.moe import FusedMoE as Experts
+    from ladle.models.layers.ops import TritonOps
 
     path = build_checkpoint(tmp_path / "moe", "qwen3_moe", vocab_size=512, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,

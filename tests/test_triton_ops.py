@@ -1,5 +1,5 @@
 """The fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, q/k norm + rope) against the torch reference
-in ladle.models.layers.
+in ladle.models.layers.decoder_layer.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must be set before
 any kernel is decorated, so it is set before ladle's Triton module is imported. With a GPU the same tests run
@@ -21,7 +21,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
 
-from ladle.models.layers import RMSNorm, apply_rotary
+from ladle.models.layers.decoder_layer import RMSNorm
+from ladle.models.layers.ops import apply_rotary
 from ladle.kernels import triton_ops as ops
 from sm90 import compile_for_sm90  # noqa: E402
 

@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from ladle.kernels import triton_moe  # noqa: E402
 from ladle.kernels.triton_quant import fp8_linear  # noqa: E402
-from ladle.models.moe import route  # noqa: E402
-from ladle.models.ops import TorchOps  # noqa: E402
+from ladle.models.layers.moe import route  # noqa: E402
+from ladle.models.layers.ops import TorchOps  # noqa: E402
 from ladle.quantization.fp8_linear import Fp8ExpertStack, dequantize_blocks  # noqa: E402
 from ladle.quantization.mxfp4 import Mxfp4ExpertStack  # noqa: E402
 from ladle.testing.fp8_checkpoints import quantize_block_fp8, quantize_block_fp8_e8m0, quantize_mxfp4  # noqa: E402

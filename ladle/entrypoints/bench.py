@@ -215,7 +215,7 @@ def _vocab_size(model_dir: str) -> int:
 
     gguf = gguf_file_of(model_dir)
     if gguf is not None:  # a GGUF file's vocabulary is in its metadata (ladle.gguf.config)
-        from ladle.models.loader import load_config
+        from ladle.models.loading.loader import load_config
 
         return int(load_config(str(gguf)).vocab_size)
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])

@@ -4,7 +4,7 @@ residual add), SiLU-and-mul, and per-head q/k RMSNorm + rotary embedding.
 Each replaces several torch launches with one, which is what a decode step under a CUDA graph is made of.
 Launches need only tensor shapes from the host (no syncs, no data-dependent host logic), so they can be
 captured. Math is fp32 inside, but every intermediate that torch would hold in the model dtype is rounded to
-it at the same point, so bf16/fp16 results match the torch reference in ladle.models.layers bit for bit
+it at the same point, so bf16/fp16 results match the torch reference in ladle.models.layers.decoder_layer bit for bit
 (apart from rare values on a rounding boundary, flipped by a different fp32 reduction order or rsqrt).
 
 CPU tensors mean Triton's interpreter is running (TRITON_INTERPRET=1, for tests without a GPU). It casts

@@ -12,8 +12,8 @@ from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.models.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
-from ladle.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
+from ladle.models.layers.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
+from ladle.models.layers.decoder_layer import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
@@ -112,8 +112,8 @@ class DecoderForCausalLM(nn.Module):
 
     def shard(self, tp: TensorParallel) -> dict:
         """Shard this model (still on the meta device) for rank tp.rank; returns the checkpoint slices it
-        loads (ladle.models.tensor_parallel)."""
-        from ladle.models.tensor_parallel import shard_decoder
+        loads (ladle.models.loading.tensor_parallel)."""
+        from ladle.models.loading.tensor_parallel import shard_decoder
 
         return shard_decoder(self, tp)
 
@@ -151,7 +151,7 @@ class DecoderForCausalLM(nn.Module):
     def lay_out_for_cpu(self) -> None:
         """After loading, on CPU: every linear layer (the head too) as a CpuLinear over its own weight, or, where
         ladle's C kernels cannot be built, packed for oneDNN with the head in its own layouts
-        (ladle.models.cpu_linear; a no-op where oneDNN cannot pack this dtype here). A tied head keeps the
+        (ladle.models.layers.cpu_linear; a no-op where oneDNN cannot pack this dtype here). A tied head keeps the
         embedding as it is (it gathers rows), so packed head layouts are extra memory, counted as weights. A head
         kept in a GGUF file's blocks (its own, or the tied embedding's) reads them through GgmlLinear."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 
 from ladle.models.decoder import DecoderForCausalLM, dense_mlp
-from ladle.models.moe import SparseMoeBlock
+from ladle.models.layers.moe import SparseMoeBlock
 
 
 def is_sparse(config: Any, layer_idx: int) -> bool:

@@ -5,12 +5,12 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ladle.models.interface import CausalLM
-from ladle.models.deepseek_v4 import DeepseekV4ForCausalLM
+from ladle.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen2 import Qwen2ForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
-from ladle.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from ladle.models.qwen3_5.model import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: Mapping[str, type[CausalLM]] = MappingProxyType({

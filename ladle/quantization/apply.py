@@ -90,7 +90,7 @@ def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]
 
 
 def with_scale_slices(slices: dict, block: tuple[int, int], dtypes: dict[str, str]) -> dict:
-    """A tensor-parallel rank's slices (ladle.models.tensor_parallel) with each FP8 weight's scale grid cut
+    """A tensor-parallel rank's slices (ladle.models.loading.tensor_parallel) with each FP8 weight's scale grid cut
     alike: the rows or columns of the blocks its slice covers. A slice off the block grid would split a scale
     between ranks: refused with the reason."""
     out = dict(slices)

@@ -28,7 +28,7 @@ from ladle.attention.backends import attention_groups, resolve_backend, select_b
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.gguf.path import gguf_file_of
-from ladle.models.loader import load_config, load_model
+from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer

@@ -76,7 +76,7 @@ def keep_lending(lending: CpuLending | None, model: torch.nn.Module, prov: Prove
     every kernel gives the same bits at any thread count. Mixture-of-experts layers add their experts' results
     with index_add_, whose float sums depend on the thread count (measured: qwen3-moe-512 and dsv4-512 float32
     logprobs differ between 1 and 2 threads; dense Qwen3 and Qwen3.5 do not)."""
-    from ladle.models.moe import FusedMoE
+    from ladle.models.layers.moe import FusedMoE
 
     if lending is None or not any(isinstance(m, FusedMoE) for m in model.modules()):
         return lending

@@ -1,7 +1,7 @@
 /* RMSNorm, residual add + RMSNorm, and q/k RMSNorm + rotary embedding, one pass per row, for CPU.
  *
  * torch runs each of these as five to ten small ops per call, which on a decode step's few rows costs more in
- * dispatch than in arithmetic. The math is TorchOps' (ladle/models/ops.py, written to match HF): normalise in
+ * dispatch than in arithmetic. The math is TorchOps' (ladle/models/layers/ops.py, written to match HF): normalise in
  * fp32, round to the model dtype, multiply by the weight in that dtype; rope as x * cos + rotate_half(x) * sin,
  * each product and the sum rounded to the dtype. Built with -ffp-contract=off, so products and sums round as
  * torch's separate ops do; only the order of the sum of squares differs from torch's.

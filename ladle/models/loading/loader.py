@@ -13,11 +13,11 @@ from ladle.experts.backing import FLOATS
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.gguf.path import gguf_file_of
 from ladle.kernels import cpu_kernels
-from ladle.models.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
-from ladle.models.huge_pages import move_weights_to_huge_pages
-from ladle.models.cpu_ops import CpuOps
-from ladle.models.layers import RotaryEmbedding
-from ladle.models.ops import ModelOps, TorchOps, TritonOps, set_ops
+from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
+from ladle.models.loading.huge_pages import move_weights_to_huge_pages
+from ladle.models.layers.cpu_ops import CpuOps
+from ladle.models.layers.decoder_layer import RotaryEmbedding
+from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
 from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
 from ladle.quantization.config import quant_config_of
@@ -34,7 +34,7 @@ _INDEX_FILE = "model.safetensors.index.json"
 
 
 def select_ops(device: torch.device) -> ModelOps:
-    """Triton on CUDA; on CPU ladle's C kernels where they build (ladle.models.cpu_ops), else torch."""
+    """Triton on CUDA; on CPU ladle's C kernels where they build (ladle.models.layers.cpu_ops), else torch."""
     if device.type == "cuda":
         return TritonOps()
     try:
@@ -63,7 +63,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
 def iter_weights(files: list[str], slices: dict | None = None,
                  skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, so host memory holds one tensor beyond the model. slices: a
-    tensor-parallel rank's part of each sharded tensor (ladle.models.tensor_parallel.Slices), read alone from
+    tensor-parallel rank's part of each sharded tensor (ladle.models.loading.tensor_parallel.Slices), read alone from
     the file; a None slice skips the tensor, as does a name in skip (experts read from the files when needed)."""
     from safetensors import SafetensorError, safe_open
 

@@ -17,7 +17,7 @@ from ladle.experts.expert_files import ExpertFiles
 from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
-from ladle.models.moe import FusedMoE
+from ladle.models.layers.moe import FusedMoE
 
 def _held_dtype(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() and not keep else t.dtype

@@ -9,7 +9,7 @@ group, as vLLM shards them:
   vocab-parallel, its logits gathered on rank 0, which samples.
 
 Sharding rewrites the model built on the meta device and returns, for each checkpoint tensor, the part this
-rank loads (ladle.models.loader reads only that slice from the safetensors file).
+rank loads (ladle.models.loading.loader reads only that slice from the safetensors file).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.distributed.parallel_state import TensorParallel
-from ladle.models.layers import Attention, GatedMLP, StackedLinear
-from ladle.models.moe import FusedMoE, SharedExpertMoeBlock, SparseMoeBlock
+from ladle.models.layers.decoder_layer import Attention, GatedMLP, StackedLinear
+from ladle.models.layers.moe import FusedMoE, SharedExpertMoeBlock, SparseMoeBlock
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
-from ladle.models.deepseek_v4_block import Block, hyper_head, hyper_weights
-from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm
+from ladle.models.deepseek_v4.block import Block, hyper_head, hyper_weights
+from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
 
 
 def check_mtp_layers(config: Any) -> None:

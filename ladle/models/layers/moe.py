@@ -2,7 +2,7 @@
 
 The experts of a layer are one `w13 [E, 2I, H]` (gate rows, then up rows) and one `w2 [E, H, I]`, filled at
 load from the checkpoint's per-expert `experts.{j}.{gate,up,down}_proj.weight` (vLLM's FusedMoE layout), and
-run by the model's ops (ladle.models.ops): grouped torch matmuls that match HF, or Triton grouped GEMMs.
+run by the model's ops (ladle.models.layers.ops): grouped torch matmuls that match HF, or Triton grouped GEMMs.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch import nn
 from ladle.experts.tiered import TieredExperts
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
-from ladle.models.layers import GatedMLP
-from ladle.models.ops import OpsModule
+from ladle.models.layers.decoder_layer import GatedMLP
+from ladle.models.layers.ops import OpsModule
 from ladle.quantization.config import MXFP4_GROUP
 from ladle.quantization.fp8_linear import Fp8ExpertStack, WidenBuffer
 from ladle.quantization.mxfp4 import Mxfp4ExpertStack
@@ -50,7 +50,7 @@ class FusedMoE(OpsModule):
         self.scale_block = (1, 1)
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
-        self.tiered: TieredExperts | None = None  # set by ladle.models.expert_tiering: the experts live off the device
+        self.tiered: TieredExperts | None = None  # set by ladle.models.loading.expert_tiering: the experts live off the device
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer

@@ -6,7 +6,7 @@ Parameters carry the checkpoint's own names (`layers.N.attn.wq_a`, `layers.N.ffn
 
 Caches, per layer: the sliding window's K=V vectors in the paged pool (one tensor, kv_shared); and for a
 compressed layer its entries (one per compress_rate tokens) and, CSA, the indexer's keys, each a paged group
-of its own, plus a state slot with its compressors' pending projections (ladle.models.deepseek_v4_compressor).
+of its own, plus a state slot with its compressors' pending projections (ladle.models.deepseek_v4.compressor).
 These are cache layers after the model's own: the entries of every compressed layer, then the indexer keys of
 every CSA layer, then the state of every compressed layer.
 """
@@ -22,11 +22,11 @@ from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
-from ladle.models.cpu_linear import pack
-from ladle.models.deepseek_v4_attention import LAYER_TYPES, CompressedCaches, Dsv4Rope
-from ladle.models.deepseek_v4_block import Block, hyper_head
-from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm
-from ladle.models.deepseek_v4_mtp import Dsv4MultiTokenPredictor, check_mtp_layers
+from ladle.models.layers.cpu_linear import pack
+from ladle.models.deepseek_v4.attention import LAYER_TYPES, CompressedCaches, Dsv4Rope
+from ladle.models.deepseek_v4.block import Block, hyper_head
+from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
+from ladle.models.deepseek_v4.mtp import Dsv4MultiTokenPredictor, check_mtp_layers
 from ladle.models.decoder import copy_checkpoint
 from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
 

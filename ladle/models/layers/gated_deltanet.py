@@ -2,7 +2,7 @@
 with a fixed-size state per request carried from one prefill chunk to the next.
 
 Per request and layer the state is the convolution's last kernel-1 inputs and the recurrent matrix
-S [value heads, key dim, value dim] (fp32). The rule itself is a model op (ladle.models.delta_rule: the torch
+S [value heads, key dim, value dim] (fp32). The rule itself is a model op (ladle.models.layers.delta_rule: the torch
 reference, or flash-linear-attention's kernel on CUDA); fp32 outputs match HF token for token whatever the
 chunk sizes.
 """
@@ -16,8 +16,8 @@ from torch import nn
 
 from ladle.attention.metadata import StateMetadata
 from ladle.kv_cache.specs import StateSpec
-from ladle.models.layers import StackedLinear
-from ladle.models.ops import OpsModule
+from ladle.models.layers.decoder_layer import StackedLinear
+from ladle.models.layers.ops import OpsModule
 
 def state_spec(config: Any, dtype: torch.dtype) -> StateSpec:
     """A layer's state: the conv window in the model dtype (it holds projected inputs) and the recurrent state

@@ -62,7 +62,7 @@ class TorchOps:
     @staticmethod
     def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          rec_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        from ladle.models.delta_rule import torch_gated_delta_rule
+        from ladle.models.layers.delta_rule import torch_gated_delta_rule
 
         return torch_gated_delta_rule(q, k, v, g, beta, rec_state, meta)
 
@@ -113,7 +113,7 @@ class TritonOps:
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, rec_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        from ladle.models import delta_rule
+        from ladle.models.layers import delta_rule
 
         rule = delta_rule.fla_gated_delta_rule if self.has_fla else delta_rule.torch_gated_delta_rule
         return rule(q, k, v, g, beta, rec_state, meta)

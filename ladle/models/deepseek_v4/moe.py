@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.models.interface import RoutedExperts
-from ladle.models.moe import FusedMoE
+from ladle.models.layers.moe import FusedMoE
 
 
 class ClampedMLP(nn.Module):

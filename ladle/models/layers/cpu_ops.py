@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ladle.kernels.cpu_kernels import CpuKernels
-from ladle.models.ops import TorchOps
+from ladle.models.layers.ops import TorchOps
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_DIM = 16384  # norm_rope.c's MAX_DIM

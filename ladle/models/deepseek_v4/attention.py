@@ -19,10 +19,10 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.attention.sink_attention import QUERY_BLOCK, CompressedEntries
-from ladle.models.deepseek_v4_compressor import (
+from ladle.models.deepseek_v4.compressor import (
     Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
 )
-from ladle.models.layers import RotaryEmbedding
+from ladle.models.layers.decoder_layer import RotaryEmbedding
 from ladle.quantization.fp8_linear import Fp8Linear
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
-from ladle.models.deepseek_v4_attention import CompressedCaches, Dsv4Attention
-from ladle.models.deepseek_v4_compressor import Dsv4RMSNorm, unweighted_rms_norm
-from ladle.models.deepseek_v4_moe import MoE
+from ladle.models.deepseek_v4.attention import CompressedCaches, Dsv4Attention
+from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm, unweighted_rms_norm
+from ladle.models.deepseek_v4.moe import MoE
 
 
 def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,

@@ -8,7 +8,7 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
-from ladle.models.ops import OpsModule, apply_rotary  # noqa: F401 -- apply_rotary: for importers
+from ladle.models.layers.ops import OpsModule
 
 # Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -117,7 +117,7 @@ class GatedMLP(OpsModule):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.tp: TensorParallel = SINGLE  # down_proj is row-parallel when sharded (ladle.models.tensor_parallel)
+        self.tp: TensorParallel = SINGLE  # down_proj is row-parallel when sharded (ladle.models.loading.tensor_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
@@ -143,7 +143,7 @@ class Attention(OpsModule):
         self.o_proj = nn.Linear(q_size, hidden, bias=bias and qkv_bias is None)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.tp: TensorParallel = SINGLE  # o_proj is row-parallel when sharded (ladle.models.tensor_parallel)
+        self.tp: TensorParallel = SINGLE  # o_proj is row-parallel when sharded (ladle.models.loading.tensor_parallel)
 
     def forward(
         self,

@@ -14,12 +14,13 @@ from torch import nn
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.models.cpu_linear import pack_linears, use_cpu_linears
+from ladle.models.layers.cpu_linear import pack_linears, use_cpu_linears
 from ladle.models.decoder import DecoderForCausalLM, MlpFactory
-from ladle.models.moe import SharedExpertMoeBlock
-from ladle.models.gated_deltanet import GatedDeltaNet, state_spec
-from ladle.models.layers import RotaryEmbedding, StackedLinear, apply_rotary, head_dim_of
-from ladle.models.qwen3_5_mtp import MultiTokenPredictor, check_mtp_layers
+from ladle.models.layers.moe import SharedExpertMoeBlock
+from ladle.models.layers.ops import apply_rotary
+from ladle.models.layers.gated_deltanet import GatedDeltaNet, state_spec
+from ladle.models.layers.decoder_layer import RotaryEmbedding, StackedLinear, head_dim_of
+from ladle.models.qwen3_5.mtp import MultiTokenPredictor, check_mtp_layers
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -191,7 +192,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return super().load_weights(text_weights(weights, self.mtp is not None))
 
     def lay_out_for_cpu(self) -> None:
-        """The MTP layer's linears as the model's own (ladle.models.cpu_linear)."""
+        """The MTP layer's linears as the model's own (ladle.models.layers.cpu_linear)."""
         super().lay_out_for_cpu()
         kind = None if self.mtp is None or self.cpu_kernels is None else self.cpu_kernels[0]
         if kind == "ladle-c":
