@@ -13,10 +13,14 @@ shared expert) is set in the config as the values it computes with.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ladle.gguf.reader import GGUFFile
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # general.architecture -> the HF architecture ladle builds.
 ARCHITECTURES: Mapping[str, str] = MappingProxyType({
@@ -94,13 +98,13 @@ class GGUFConfigError(ValueError):
 def architecture_of(gguf: GGUFFile) -> str:
     """The file's general.architecture, checked to be one ladle builds."""
     arch = gguf.metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise GGUFConfigError(f"{gguf.path}: general.architecture {arch!r} is not one ladle loads from GGUF; "
                               f"supported: {', '.join(ARCHITECTURES)}")
     return arch
 
 
-def hf_config_of(gguf: GGUFFile) -> Any:
+def hf_config_of(gguf: GGUFFile) -> PretrainedConfig:
     """The HF config (LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig) the file's metadata describes;
     raises naming the first key ladle does not understand or whose value it cannot compute with."""
     from transformers import AutoConfig

@@ -113,7 +113,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     with open(path, "rb") as f:
         mapped = np.memmap(f, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mapped), path)
+    cur = _Cursor(mapped.data, path)  # the mapping's buffer, as memoryview(mapped)
     if cur.take("<I") != GGUF_MAGIC:
         raise GGUFFormatError(f"{path} is not a GGUF file (no GGUF magic at its start)")
     version = cur.take("<I")

@@ -17,9 +17,10 @@ yet; the attention linears of a MoE file stay blocks as in a dense one.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,7 +130,7 @@ def map_tensors(gguf: GGUFFile, arch: str, config: Any) -> list[MappedTensor]:
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise GGUFTensorError(f"{gguf.path}: the file lacks tensors the config needs: {shown}")
-    mapped = []
+    mapped: list[MappedTensor] = []
     for name, info in gguf.tensors.items():
         if name not in shapes:
             raise GGUFTensorError(f"{gguf.path}: tensor {name!r} is not one ladle's {arch} model has; the file "
@@ -145,7 +146,9 @@ def map_tensors(gguf: GGUFFile, arch: str, config: Any) -> list[MappedTensor]:
         if experts is not None:
             mapped.extend(MappedTensor(hf, info, None, j) for j, hf in enumerate(experts))
         else:
-            mapped.append(MappedTensor(hf_name_of(name), info, rows))
+            hf_name = hf_name_of(name)
+            assert hf_name is not None  # expected_shapes names only tensors the mapping knows
+            mapped.append(MappedTensor(hf_name, info, rows))
     return mapped
 
 
@@ -166,8 +169,8 @@ def widened(gguf: GGUFFile, tensor: MappedTensor, raw: np.ndarray | None = None)
     values = np.ascontiguousarray(dequantize(_part(gguf, tensor, raw), tensor.info.qtype), dtype=np.float32)
     if not values.flags.writeable:  # an F32 tensor comes back as the read-only file mapping itself
         values = values.copy()
-    values = torch.from_numpy(values)
-    return values if tensor.rows is None else values.index_select(0, tensor.rows)
+    out = torch.from_numpy(values)
+    return out if tensor.rows is None else out.index_select(0, tensor.rows)
 
 
 def blocks(gguf: GGUFFile, tensor: MappedTensor, raw: np.ndarray | None = None) -> torch.Tensor:

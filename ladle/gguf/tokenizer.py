@@ -9,9 +9,12 @@ tokenizer model is refused by name (a different split is a different tokenizatio
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ladle.gguf.reader import GGUFFile
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # llama.cpp token types (llama_token_type): 3 CONTROL (special: never split, skipped when decoding with
 # skip_special_tokens), 4 USER_DEFINED (matched whole, decoded as text).
@@ -37,7 +40,7 @@ class GGUFTokenizerError(ValueError):
     """The file's tokenizer is one ladle cannot build exactly."""
 
 
-def build_tokenizer(gguf: GGUFFile) -> Any:
+def build_tokenizer(gguf: GGUFFile) -> PreTrainedTokenizerFast:
     """The file's tokenizer as a PreTrainedTokenizerFast (what ladle's engine and server take)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -82,10 +85,12 @@ def build_tokenizer(gguf: GGUFFile) -> Any:
     if add_bos or add_eos:  # llama.cpp adds them around every prompt; so must the tokenizer's post-processor
         from tokenizers import processors
 
-        before = [special("bos")] if add_bos else []
-        after = [special("eos")] if add_eos else []
-        if None in before + after:
+        bos = special("bos") if add_bos else ""
+        eos = special("eos") if add_eos else ""
+        if bos is None or eos is None:
             raise GGUFTokenizerError(f"{gguf.path}: add_bos_token / add_eos_token is set but the token id is absent")
+        before = [bos] if add_bos else []
+        after = [eos] if add_eos else []
         tok.post_processor = processors.TemplateProcessing(
             single=" ".join([*before, "$A", *after]),
             pair=" ".join([*before, "$A", *after, *before, "$B:1", *after]),
