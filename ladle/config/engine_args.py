@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ladle.config.moe import validate_moe_args
+from ladle.config.moe import MOE_BACKINGS, MOE_STRATEGIES, validate_moe_args
 from ladle.config.sizes import parse_bytes
 from ladle.config.speculative import parse_speculative_config
 from ladle.gguf.path import gguf_file_of
 
-# vLLM spellings accepted as aliases of ladle's names.
+# vLLM spellings accepted as aliases of ladle's names (on the command line too).
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names: FULL replays decode-only and mixed (prefill-carrying) steps from graphs, FULL_DECODE_ONLY only
 # decode-only steps.
@@ -22,53 +25,102 @@ CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")  # ladle.attention.registry.BACKENDS (tests/test_attention_registry.py)
 
 
+def flag(default: Any, text: str | None = None, *, choices: tuple[str, ...] | None = None,
+         short: str | None = None) -> Any:
+    """A field with its command-line flag beside it, as vLLM's EngineArgs keeps them: the help, the choices and a
+    short spelling (ladle.entrypoints.cli_args builds the flag; its type comes from the field's)."""
+    metadata: dict[str, Any] = {"help": text}
+    if choices is not None:
+        metadata["choices"] = choices
+    if short is not None:
+        metadata["short"] = short
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class EngineArgs:
     model: str
     tokenizer: str | None = None
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int | None = None  # default: derived from measured memory (multiple of 64)
-    max_prefill_length: int | None = None  # per-request chunk cap; default: max_num_batched_tokens
+    device: str = flag("auto", "auto | cpu | cuda[:N] (default auto)")
+    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
+    max_model_len: int | None = flag(None, "default: the model's max_position_embeddings")
+    max_num_batched_tokens: int | None = flag(
+        None, "tokens per forward call (default: the largest multiple of 64 that fits memory, <= 8192)")
+    max_prefill_length: int | None = flag(None, "prompt tokens of one request per step (default: the step budget)")
     # Sharing a step between prefills (ladle.startup.partial_prefill); defaults derived.
-    max_num_partial_prefills: int | None = None
-    max_long_partial_prefills: int | None = None
-    long_prefill_token_threshold: int | None = None  # a prefill with more tokens left than this is long
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower SamplingParams.priority first)
-    max_num_seqs: int = 256
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: what the memory plan leaves for KV
-    kv_cache_memory_bytes: int | str | None = None  # alternative to num_kv_blocks, e.g. "2GiB"
-    memory_budget: int | str | None = None  # cap on all ladle may use (weights, KV, activations), e.g. "8GiB"
-    gpu_memory_utilization: float = 0.9  # CUDA: share of total device memory (vLLM semantics)
-    enable_prefix_caching: bool = True
-    # Models with per-request state: checkpoints prefix hits resume from (default derived from memory), and
-    # tokens between them while a request prefills (default: the chunk cap, in whole blocks).
-    num_state_checkpoints: int | None = None
-    state_checkpoint_interval: int | None = None
-    enforce_eager: bool = False  # CUDA: no CUDA graphs, every step eager (vLLM semantics)
-    max_cudagraph_capture_size: int | None = None  # largest step (tokens) replayed from a graph; default 512
-    cudagraph_mode: str | None = None  # FULL | FULL_DECODE_ONLY (CUDA); default FULL
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights, for benchmarks: no checkpoint)
-    quantization: str | None = None  # fp8; default: what the checkpoint's quantization_config says
-    dequantize_weights: bool = False  # widen a quantized checkpoint's weights to the model dtype at load
-    async_scheduling: bool = False  # launch a certain next decode step before reading this one's tokens
-    profile_cache: bool = True  # reuse a stored activation profile of the same model, dtype, device and code
-    num_threads: int | None = None  # CPU: torch threads; default: the usable CPUs less reserved_cpus
-    attention_backend: str | None = None  # torch | cpu | triton; default: triton on CUDA, cpu where it builds
+    max_num_partial_prefills: int | None = flag(
+        None, "requests prefilling in one step, sharing what decodes leave (default min(4, max_num_seqs))")
+    max_long_partial_prefills: int | None = flag(
+        None, "of those, how many may be long (default 1): short prompts start beside a long one")
+    long_prefill_token_threshold: int | None = flag(
+        None, "a prefill with more tokens left than this is long (default: the step budget)")
+    scheduling_policy: str = flag(
+        "fcfs", "fcfs (default) or priority: lower request priority first, and preempted last",
+        choices=SCHEDULING_POLICIES)
+    max_num_seqs: int = flag(256, "requests running at once (default 256)")
+    block_size: int = flag(16, "tokens per KV block (default 16)")
+    num_kv_blocks: int | None = flag(None, "KV pool size in blocks (default: what the memory plan leaves)")
+    kv_cache_memory_bytes: int | str | None = flag(None, "KV pool size as bytes or e.g. 2GiB")
+    memory_budget: int | str | None = flag(None, "cap on all ladle may use, e.g. 8GiB (default: measured)")
+    gpu_memory_utilization: float = flag(0.9, "CUDA: share of device memory (0.9)")  # vLLM semantics
+    enable_prefix_caching: bool = flag(True, "reuse KV of shared prompt prefixes (default on)")
+    num_state_checkpoints: int | None = flag(
+        None, "models with per-request state (Gated DeltaNet, DeepSeek-V4): state checkpoints kept for prefix hits "
+              "(default: derived from memory)")
+    state_checkpoint_interval: int | None = flag(
+        None, "tokens between state checkpoints while a request prefills, a multiple of the block size (default: "
+              "the chunk cap in whole blocks)")
+    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs")  # every step eager (vLLM semantics)
+    max_cudagraph_capture_size: int | None = flag(
+        None, "CUDA: largest step, in tokens, replayed from a graph (default min(512, max_num_seqs))")
+    cudagraph_mode: str | None = flag(
+        None, "CUDA: FULL replays decode-only steps and steps with a prefill chunk from graphs, FULL_DECODE_ONLY "
+              "only decode-only steps (default FULL)", choices=CUDAGRAPH_MODES)
+    async_scheduling: bool = flag(
+        False, "launch a decode step whose successor is certain before reading its tokens")
+    load_format: str = flag("auto", "dummy: random weights from config.json alone, for benchmarks",
+                            choices=LOAD_FORMATS)
+    quantization: str | None = flag(
+        None, "the checkpoint's weight format (default: what its quantization_config says; a value that "
+              "contradicts the checkpoint is refused)", choices=QUANTIZATIONS, short="-q")
+    dequantize_weights: bool = flag(
+        False, "widen a quantized checkpoint's FP8/MXFP4 weights to --dtype at load (for comparison, or where a "
+               "quantized kernel is missing: FP8 experts on CUDA); refused for an unquantized one")
+    profile_cache: bool = flag(
+        True, "reuse the activation profile stored by an earlier start of the same model, dtype, device and "
+              "ladle code (default on; --no-profile-cache measures again and refreshes it)")
+    num_threads: int | None = flag(
+        None, "CPU: torch threads (default: the CPUs this process may use; serve leaves one for its API process "
+              "and pins the engine to the rest)")
+    attention_backend: str | None = flag(
+        None, "default: triton on CUDA; on CPU, ladle's C decode kernel (built with the system C compiler on first "
+              "use), or torch where it cannot be built", choices=ATTENTION_BACKENDS)
     reserved_cpus: int = 0  # CPUs left to ladle's other processes (`ladle serve` sets 1, for its API process)
-    tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (ladle.distributed)
+    tensor_parallel_size: int = flag(
+        1, "shard the model over this many ranks, one process each (gloo on CPU, NCCL on CUDA; default 1)",
+        short="-tp")  # ladle.distributed
     # Drafts verified in each decode step (ladle.config.speculative: a dict, or its JSON as vLLM's CLI takes it).
-    speculative_config: dict[str, Any] | str | None = None
+    speculative_config: dict[str, Any] | str | None = flag(  # noqa: RUF009 -- flag() returns a field()
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4} (drafts verified in each decode step; the output is unchanged)')
     # MoE models: routed experts off the device (ladle.experts): slots cached on it, how misses run, where the
     # experts live. Default: every expert resident, or tiering derived when they do not fit the budget.
-    moe_cache_size: int | None = None
-    moe_cache_fraction: float | None = None
-    moe_strategy: str | None = None  # offload | cpu | hybrid
-    moe_backing: str | None = None  # host | mmap
-    moe_prefetch: bool | None = None  # fetch experts ahead on a worker thread; default: on CUDA only (measured)
-    seed: int = 0
+    moe_cache_size: int | None = flag(
+        None, "MoE: routed-expert slots on the device, shared by all MoE layers; the rest live in --moe-backing "
+              "(default: every expert resident, or derived when they do not fit)")
+    moe_cache_fraction: float | None = flag(
+        None, "MoE: the expert cache as a share of all routed experts (instead of --moe-cache-size)")
+    moe_strategy: str | None = flag(
+        None, "tiered experts: offload (a miss is fetched into a slot), cpu (computed where it lives, nothing "
+              "cached) or hybrid (per miss, from the costs measured at startup)", choices=MOE_STRATEGIES)
+    moe_backing: str | None = flag(
+        None, "where tiered experts live: host memory (default on CUDA, pinned) or mmap: read from the "
+              "checkpoint's files when needed (default on CPU; a model larger than RAM runs)", choices=MOE_BACKINGS)
+    moe_prefetch: bool | None = flag(
+        None, "tiered experts: fetch a layer's misses, and in a prefill the next layer's experts, ahead on a "
+              "worker thread (default: on CUDA, where copies use the DMA engines; off on CPU, where they compete "
+              "with the compute for the same cores)")
+    seed: int = flag(0)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> tuple["EngineArgs", frozenset[str]]:
@@ -107,7 +159,7 @@ class EngineArgs:
             raise ValueError(f"device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.quantization not in (None, "fp8"):
+        if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r}: ladle reads 'fp8' checkpoints (block-scaled "
                              "e4m3); online quantization of unquantized weights is not implemented")
         if not isinstance(self.dequantize_weights, bool):
@@ -172,9 +224,6 @@ def check_model_dir(path: str, name: str = "model") -> None:
         raise FileNotFoundError(f"{name} directory {path!r} has no config.json; is it an HF checkpoint? "
                                 "(a GGUF checkpoint is a .gguf file, or a directory holding one)")
 
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def positive_int(name: str, value: Any) -> int:

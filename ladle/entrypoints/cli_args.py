@@ -7,10 +7,11 @@ import argparse
 import re
 import sys
 import traceback
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import Any, get_args, get_type_hints
 
-from ladle.config.engine_args import ATTENTION_BACKENDS, CUDAGRAPH_MODES
-from ladle.config.moe import MOE_BACKINGS, MOE_STRATEGIES
+from ladle.config.engine_args import ALIASES, EngineArgs
 from ladle.sampling_params import InvalidSamplingParam, SamplingParams
 
 DEFAULT_PROMPT = "The long prompt problem is"
@@ -20,88 +21,49 @@ USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, Is
 # SamplingParams fields as `ladle generate` spells them.
 GENERATE_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-new-tokens", "seed": "--sampling-seed"}
 
+# EngineArgs fields no engine flag sets: the model and its tokenizer are each command's own arguments (MODEL or
+# --model, serve's --tokenizer), and reserved_cpus is what `ladle serve` leaves its API process.
+FLAGLESS = frozenset({"model", "tokenizer", "reserved_cpus"})
+ENGINE_KEYS = tuple(f.name for f in fields(EngineArgs) if f.name not in FLAGLESS)
+
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Engine flags in vLLM spelling. Defaults are SUPPRESS so only typed flags count as explicit."""
-    S = argparse.SUPPRESS
-    p.add_argument("--device", default=S, help="auto | cpu | cuda[:N] (default auto)")
-    p.add_argument("--dtype", default=S, help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--max-model-len", type=int, default=S, help="default: the model's max_position_embeddings")
-    p.add_argument("--max-num-batched-tokens", type=int, default=S,
-                   help="tokens per forward call (default: the largest multiple of 64 that fits memory, <= 8192)")
-    p.add_argument("--max-prefill-length", type=int, default=S,
-                   help="prompt tokens of one request per step (default: the step budget)")
-    p.add_argument("--max-num-partial-prefills", type=int, default=S,
-                   help="requests prefilling in one step, sharing what decodes leave (default min(4, max_num_seqs))")
-    p.add_argument("--max-long-partial-prefills", type=int, default=S,
-                   help="of those, how many may be long (default 1): short prompts start beside a long one")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=S,
-                   help="a prefill with more tokens left than this is long (default: the step budget)")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=S,
-                   help="fcfs (default) or priority: lower request priority first, and preempted last")
-    p.add_argument("--max-num-seqs", type=int, default=S,
-                   help="requests running at once (default 256)")
-    p.add_argument("--block-size", type=int, default=S, help="tokens per KV block (default 16)")
-    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=S,
-                   help="KV pool size in blocks (default: what the memory plan leaves)")
-    p.add_argument("--kv-cache-memory-bytes", default=S, help="KV pool size as bytes or e.g. 2GiB")
-    p.add_argument("--memory-budget", default=S, help="cap on all ladle may use, e.g. 8GiB (default: measured)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=S, help="CUDA: share of device memory (0.9)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=S,
-                   help="reuse KV of shared prompt prefixes (default on)")
-    p.add_argument("--num-state-checkpoints", type=int, default=S,
-                   help="models with per-request state (Gated DeltaNet, DeepSeek-V4): state checkpoints kept for "
-                        "prefix hits (default: derived from memory)")
-    p.add_argument("--state-checkpoint-interval", type=int, default=S,
-                   help="tokens between state checkpoints while a request prefills, a multiple of the block size "
-                        "(default: the chunk cap in whole blocks)")
-    p.add_argument("--enforce-eager", action="store_true", default=S, help="CUDA: no CUDA graphs")
-    p.add_argument("--max-cudagraph-capture-size", type=int, default=S,
-                   help="CUDA: largest step, in tokens, replayed from a graph (default min(512, max_num_seqs))")
-    p.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=S,
-                   help="CUDA: FULL replays decode-only steps and steps with a prefill chunk from graphs, "
-                        "FULL_DECODE_ONLY only decode-only steps (default FULL)")
-    p.add_argument("--async-scheduling", action="store_true", default=S,
-                   help="launch a decode step whose successor is certain before reading its tokens")
-    p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=S,
-                   help="dummy: random weights from config.json alone, for benchmarks")
-    p.add_argument("--quantization", "-q", choices=("fp8",), default=S,
-                   help="the checkpoint's weight format (default: what its quantization_config says; a value that "
-                        "contradicts the checkpoint is refused)")
-    p.add_argument("--dequantize-weights", action="store_true", default=S,
-                   help="widen a quantized checkpoint's FP8/MXFP4 weights to --dtype at load (for comparison, or "
-                        "where a quantized kernel is missing: FP8 experts on CUDA); refused for an unquantized one")
-    p.add_argument("--profile-cache", action=argparse.BooleanOptionalAction, default=S,
-                   help="reuse the activation profile stored by an earlier start of the same model, dtype, "
-                        "device and ladle code (default on; --no-profile-cache measures again and refreshes it)")
-    p.add_argument("--num-threads", type=int, default=S,
-                   help="CPU: torch threads (default: the CPUs this process may use; serve leaves one for its API "
-                        "process and pins the engine to the rest)")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=S,
-                   help="default: triton on CUDA; on CPU, ladle's C decode kernel (built with the system C compiler "
-                        "on first use), or torch where it cannot be built")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=S,
-                   help="shard the model over this many ranks, one process each (gloo on CPU, NCCL on CUDA; "
-                        "default 1)")
-    p.add_argument("--speculative-config", default=S,
-                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4} (drafts verified in each decode step; the output is unchanged)')
-    p.add_argument("--moe-cache-size", type=int, default=S,
-                   help="MoE: routed-expert slots on the device, shared by all MoE layers; the rest live in "
-                        "--moe-backing (default: every expert resident, or derived when they do not fit)")
-    p.add_argument("--moe-cache-fraction", type=float, default=S,
-                   help="MoE: the expert cache as a share of all routed experts (instead of --moe-cache-size)")
-    p.add_argument("--moe-strategy", choices=MOE_STRATEGIES, default=S,
-                   help="tiered experts: offload (a miss is fetched into a slot), cpu (computed where it lives, "
-                        "nothing cached) or hybrid (per miss, from the costs measured at startup)")
-    p.add_argument("--moe-backing", choices=MOE_BACKINGS, default=S,
-                   help="where tiered experts live: host memory (default on CUDA, pinned) or mmap: read from the "
-                        "checkpoint's files when needed (default on CPU; a model larger than RAM runs)")
-    p.add_argument("--moe-prefetch", action=argparse.BooleanOptionalAction, default=S,
-                   help="tiered experts: fetch a layer's misses, and in a prefill the next layer's experts, ahead on "
-                        "a worker thread (default: on CUDA, where copies use the DMA engines; off on CPU, where they "
-                        "compete with the compute for the same cores)")
-    p.add_argument("--seed", type=int, default=S)
+    """Engine flags in vLLM spelling, one per EngineArgs field but FLAGLESS: the help, choices and short spelling
+    kept beside the field, the value's type read from the field's. Defaults are SUPPRESS so only typed flags
+    count as explicit."""
+    aliases: dict[str, list[str]] = {}
+    for alias, name in ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    hints = get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        if f.name in FLAGLESS:
+            continue
+        names = [_spelled(f.name), *map(_spelled, aliases.get(f.name, ()))]
+        if "short" in f.metadata:
+            names.append(f.metadata["short"])
+        p.add_argument(*names, dest=f.name, default=argparse.SUPPRESS, help=f.metadata.get("help"),
+                       **_value(f, hints[f.name]))
+
+
+def _spelled(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value(f: Field, hint: Any) -> dict[str, Any]:
+    """How a field's flag reads its value: a bool is a switch, a string (sizes and JSON too) is taken as typed
+    for EngineArgs to check, a number is parsed."""
+    kinds = set(get_args(hint)) or {hint}
+    if bool in kinds:
+        # A setting on by default, or derived when unset, needs its --no- spelling to be turned off.
+        return {"action": "store_true" if f.default is False else argparse.BooleanOptionalAction}
+    value: dict[str, Any] = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+    if str in kinds:
+        return value
+    number = next((t for t in (int, float) if t in kinds), None)
+    if number is None:
+        raise TypeError(f"EngineArgs.{f.name}: no flag reads a {hint}; give it a type a flag can parse, or list "
+                        "it in FLAGLESS")
+    return {**value, "type": number}
 
 
 def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
@@ -110,18 +72,8 @@ def add_log_level(p: argparse.ArgumentParser, default: str | None) -> None:
                         "the traceback of an error")
 
 
-ENGINE_KEYS = ("device", "dtype", "max_model_len", "max_num_batched_tokens", "max_prefill_length",
-               "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold",
-               "scheduling_policy", "max_num_seqs", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-               "memory_budget", "gpu_memory_utilization", "enable_prefix_caching", "num_state_checkpoints",
-               "state_checkpoint_interval", "enforce_eager", "max_cudagraph_capture_size",
-               "cudagraph_mode", "async_scheduling", "load_format", "quantization", "dequantize_weights", "profile_cache",
-               "num_threads", "attention_backend",
-               "tensor_parallel_size", "speculative_config", "moe_cache_size", "moe_cache_fraction",
-               "moe_strategy", "moe_backing", "moe_prefetch", "seed")
-
 _SETTING = re.compile(r"(?<![\w.-])(" + "|".join(sorted(
-    [k for k in ENGINE_KEYS if "_" in k] + ["num_gpu_blocks_override"],
+    [k for k in ENGINE_KEYS if "_" in k] + list(ALIASES),
     key=len, reverse=True)) + r")\b")
 
 
@@ -176,8 +128,6 @@ def sampling_from_flags(args: argparse.Namespace) -> SamplingParams:
 
 def engine_args_from_flags(args: argparse.Namespace, model: str | None) -> tuple:
     """EngineArgs and the names typed, validated: a bad value fails here, before anything loads."""
-    from ladle.config.engine_args import EngineArgs
-
     kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
     if getattr(args, "tokenizer", None) is not None:
         kwargs["tokenizer"] = args.tokenizer
