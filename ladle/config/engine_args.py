@@ -123,7 +123,7 @@ class EngineArgs:
     seed: int = flag(0)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> tuple["EngineArgs", frozenset[str]]:
+    def from_kwargs(cls, **kwargs: Any) -> tuple[EngineArgs, frozenset[str]]:
         """Build args from user kwargs; returns them with the set of names the user gave explicitly."""
         known = {f.name for f in fields(cls)}
         canon: dict[str, Any] = {}
@@ -199,7 +199,8 @@ class EngineArgs:
         if self.tokenizer is not None:
             check_model_dir(self.tokenizer, "tokenizer")
         if self.max_model_len is not None and gguf_file_of(self.model) is None:
-            # A peek at config.json (a GGUF file's metadata is checked when setup reads it); setup checks again with the parsed config (nested text configs too).
+            # A peek at config.json (a GGUF file's metadata is checked when setup reads it); setup checks again
+            # with the parsed config (nested text configs too).
             with open(os.path.join(self.model, "config.json")) as f:
                 model_max = json.load(f).get("max_position_embeddings")
             if isinstance(model_max, int):

@@ -113,7 +113,7 @@ class FileBacking:
             target = dest[part.name][part.row: part.row + rows]
             direct = target.device.type == "cpu" and target.dtype == loc.dtype and target.is_contiguous()
             buf = target if direct else torch.empty(loc.shape, dtype=loc.dtype)
-            self.files.read(loc, memoryview(buf.view(torch.uint8).numpy()).cast("B"), self.layer, expert)
+            self.files.read(loc, buf.view(torch.uint8).numpy().data.cast("B"), self.layer, expert)
             if not direct:
                 copy_values(target, buf.reshape(target.shape))
             total += loc.nbytes

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 import torch
 from torch import nn
@@ -170,6 +170,10 @@ class ExpertCache(nn.Module):
         self._by_layer.setdefault(None if key is None else key[0], OrderedDict())[slot] = None
         self._order.move_to_end(slot)
 
+    @overload
+    def _victim(self, keep: frozenset[Key], layer: int, must: Literal[True]) -> int: ...
+    @overload
+    def _victim(self, keep: frozenset[Key], layer: int, must: bool) -> int | None: ...
     def _victim(self, keep: frozenset[Key], layer: int, must: bool) -> int | None:
         """For the running layer: an empty slot, else the least recently used (or, looking ahead, one whose layer
         runs furthest ahead, least recently used among those), never pinned nor holding one of keep; None if there

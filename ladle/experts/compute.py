@@ -2,7 +2,8 @@
 SwiGLU per routed expert, results added in expert order."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

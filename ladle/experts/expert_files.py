@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from ladle.experts.slice_checksum import slice_checksum
 
@@ -65,7 +66,8 @@ class ExpertFiles:
     def __init__(self, locations: Iterable[Span]) -> None:
         ordered = sorted(set(locations), key=lambda loc: (loc.path, loc.offset))  # one pass through each file
         # FileIO objects, so the descriptors close with the model; reads go through os.preadv on their fileno.
-        self._files = {path: open(path, "rb", buffering=0) for path in dict.fromkeys(loc.path for loc in ordered)}
+        self._files = {path: open(path, "rb", buffering=0)  # noqa: SIM115 -- held open for the model's lifetime
+                       for path in dict.fromkeys(loc.path for loc in ordered)}
         self._identity = {path: FileIdentity.of(os.fstat(f.fileno())) for path, f in self._files.items()}
         self._sums: dict[tuple[str, int], int] = {}
         scratch = bytearray(max((loc.nbytes for loc in ordered), default=0))

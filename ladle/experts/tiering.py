@@ -6,11 +6,13 @@ reason (DESIGN.md invariant 3: derived never overrides explicit)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ladle.config.engine_args import EngineArgs
 from ladle.config.sizes import format_bytes
+
 # Of the budget, what a derived tiering leaves for the KV pool, activations and margin: the plan then sizes them
 # in it as it does for any model.
 ROOM_SHARE = 0.3
@@ -42,7 +44,8 @@ class ExpertTiering:
     prefetch: bool = False  # fetches ahead on a worker thread (ladle.experts.cache)
 
     def describe(self, inv: ExpertInventory) -> str:
-        return (f"{self.cache_slots} of {inv.total_experts} experts ({format_bytes(self.cache_slots * inv.expert_bytes)}"
+        cached = format_bytes(self.cache_slots * inv.expert_bytes)
+        return (f"{self.cache_slots} of {inv.total_experts} experts ({cached}"
                 f" of {format_bytes(inv.all_expert_bytes)}) on the device, the rest in {self.backing}")
 
 
@@ -69,8 +72,11 @@ def resolve_tiering(args: EngineArgs, inv: ExpertInventory | None, budget: int, 
     room = int(budget * (1 - ROOM_SHARE)) - inv.resident_bytes  # for slots
     largest = max(0, min(inv.total_experts, room // inv.expert_bytes))
     if args.moe_cache_size is not None or args.moe_cache_fraction is not None:
-        slots = args.moe_cache_size or math.ceil(args.moe_cache_fraction * inv.total_experts)
-        name = "moe_cache_size" if args.moe_cache_size is not None else "moe_cache_fraction"
+        if args.moe_cache_size is not None:
+            slots, name = args.moe_cache_size, "moe_cache_size"
+        else:
+            assert args.moe_cache_fraction is not None  # one of the two, as just checked
+            slots, name = math.ceil(args.moe_cache_fraction * inv.total_experts), "moe_cache_fraction"
         if slots < inv.top_k:
             raise ValueError(f"{name} gives {slots} expert slots, fewer than a token's {inv.top_k} routed experts; "
                              f"give at least {inv.top_k}")
