@@ -14,9 +14,9 @@ models do not, and are not lent to (threads.keep_lending).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 # In CPUs' worth of time: the API process serving requests and a benchmark client stay far below it; a
 # neighbour busy on one CPU is far above it.

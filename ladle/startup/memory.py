@@ -1,9 +1,10 @@
 """Measured memory: what the device has, what ladle may use, and the peak a piece of work allocates."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+
 
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":

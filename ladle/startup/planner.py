@@ -5,12 +5,12 @@ Explicit settings are honoured or refused with the largest value that fits; only
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ladle.config.sizes import format_bytes
-from ladle.startup.profiling import ActivationModel
 from ladle.kv_cache.specs import blocks_held
+from ladle.startup.profiling import ActivationModel
 
 MiB = 2**20
 STEP = 64  # derived budgets are multiples of 64: matrix tiles fall off cliffs between them
@@ -255,6 +255,7 @@ def plan_memory(
         if inputs.on_cpu:
             cap = max(CPU_DEFAULT_KV_CAP // inputs.block_bytes, inputs.request_blocks(max_len, tokens))
             if cap < blocks:
-                blocks, why = cap, f"capped at {CPU_DEFAULT_KV_CAP // MiB} MiB on CPU (set kv_cache_memory_bytes for more)"
+                why = f"capped at {CPU_DEFAULT_KV_CAP // MiB} MiB on CPU (set kv_cache_memory_bytes for more)"
+                blocks = cap
         put("num_kv_blocks", blocks, why)
     return MemoryPlan(inputs, max_len, tokens, chunk, blocks)

@@ -2,8 +2,8 @@
 
 The key holds everything that changes what profiling measures: the model's config, dtype, the device's
 name, torch's version, the block size, the profiled shapes, and ladle's own source (a hash of its .py files:
-stricter than a version number, since any code change means a fresh profile). An entry is the measured points; the model is fitted from them
-again, so a change to the fit needs no new key.
+stricter than a version number, since any code change means a fresh profile). An entry is the measured points;
+the model is fitted from them again, so a change to the fit needs no new key.
 
 Location: $LADLE_PROFILE_CACHE_DIR, else $XDG_CACHE_HOME/ladle/profiles (~/.cache/ladle/profiles).
 """
@@ -16,8 +16,9 @@ import logging
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

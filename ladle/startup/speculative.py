@@ -5,8 +5,8 @@ import torch
 
 from ladle.config.engine_args import EngineArgs
 from ladle.config.provenance import Provenance
-from ladle.kv_cache.specs import KVCacheLayout
 from ladle.config.speculative import SpeculativeConfig
+from ladle.kv_cache.specs import KVCacheLayout
 
 
 def resolve_speculative(spec: SpeculativeConfig | None, prov: Provenance, layout: KVCacheLayout,
