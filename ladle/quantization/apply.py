@@ -18,7 +18,7 @@ def checkpoint_dtypes(files: list[str]) -> dict[str, str]:
     dtypes: dict[str, str] = {}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 -- safe_open has keys(), not iteration
                 dtypes[name] = f.get_slice(name).get_dtype()
     return dtypes
 
@@ -125,7 +125,8 @@ def dequantize_layers(model: nn.Module, dtype: torch.dtype) -> int:
                 setattr(parent, name, dense.requires_grad_(False))
                 widened += 1
             elif getattr(child, "weight_format", None) is not None:
-                child.dequantize(dtype)
+                # a quantized FusedMoE (ladle.models, a floor above this one): nn.Module's __getattr__ says Tensor
+                child.dequantize(dtype)  # type: ignore[operator]
                 widened += 1
     return widened
 
@@ -145,8 +146,9 @@ def weights_format(model: nn.Module) -> str:
         fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
         if fmt is None or getattr(module, "tiered", None) is not None:  # tiered experts: the plan's own line
             continue
-        tensors = ([module.weight, module.weight_scale_inv] if isinstance(module, Fp8Linear)
-                   else [module.w13, module.w2, module.w13_scale_inv, module.w2_scale_inv])
+        names = (("weight", "weight_scale_inv") if isinstance(module, Fp8Linear)  # else a quantized FusedMoE's
+                 else ("w13", "w2", "w13_scale_inv", "w2_scale_inv"))
+        tensors: list[torch.Tensor] = [getattr(module, n) for n in names]
         scales = "E8M0" if tensors[-1].dtype == torch.float8_e8m0fnu else "fp32"
         key = "MXFP4 + E8M0 scales" if fmt == "mxfp4" else f"FP8 e4m3 + {scales} scales"
         groups.setdefault(key, []).extend(tensors)

@@ -14,15 +14,24 @@ block grid, or its scales would cover two parts.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from ladle.kernels.cpu_kernels import CpuKernels
+
 TILE_ELEMENTS = 1 << 21  # weights widened at once (a whole number of block rows): 8 MiB of fp32 workspace
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def narrow_rows(start: int, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A checkpoint view: rows start to start + length of a tensor."""
+    return lambda p: p.narrow(0, start, length)
 
 
 class WidenBuffer:
@@ -58,7 +67,7 @@ class Fp8ExpertStack:
     prefill's rows by the expert widened once into the shared buffer."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-                 kernels: Any = None, buffer: WidenBuffer | None = None) -> None:
+                 kernels: CpuKernels | None = None, buffer: WidenBuffer | None = None) -> None:
         self.values, self.scales, self.block, self.dtype = values, scales, block, dtype
         self.kernels, self.buffer = kernels, buffer
         self.shape = values.shape
@@ -73,12 +82,12 @@ class Fp8ExpertStack:
             return F.linear(x, self[expert])
         if rows <= KERNEL_MAX_ROWS:
             return fp8_kernel_linear(self.kernels, x, self.values[expert], self.scales[expert], self.block, None)
-        out = None if self.buffer is None else self.buffer.take(tuple(self.shape[1:]), x.dtype)
+        out = None if self.buffer is None else self.buffer.take((self.shape[1], self.shape[2]), x.dtype)
         return F.linear(x, c_dequantized(self.kernels, self.values[expert], self.scales[expert], self.block, x.dtype,
                                          out))
 
 
-def c_dequantized(kernels: Any, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+def c_dequantized(kernels: CpuKernels, values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
                   dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """values [R, C] (e4m3, a weight's rows from a block's first) times their block scales, widened in C (into
     out when given)."""
@@ -89,7 +98,7 @@ def c_dequantized(kernels: Any, values: torch.Tensor, scales: torch.Tensor, bloc
     return out
 
 
-def fp8_kernel_linear(kernels: Any, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+def fp8_kernel_linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                       block: tuple[int, int], bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight^T (+ bias) by ladle's fp8_linear C kernel, in x's dtype (fp32 or bf16)."""
     out_features, in_features = weight.shape
@@ -124,7 +133,7 @@ class Fp8Linear(nn.Module):
                                                          dtype=scale_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.kernels: CpuKernels | None = None  # set by use_cpu_kernels
         self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
         self.bf16_max_rows = KERNEL_MAX_ROWS
         for name, (start, _) in self.shards.items():
@@ -136,11 +145,11 @@ class Fp8Linear(nn.Module):
         parent, rows = prefix.rsplit(".", 1)[0], self.block[0]
         views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
         for shard, (start, size) in self.shards.items():
-            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", lambda p, s=start, n=size: p.narrow(0, s, n))
+            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", narrow_rows(start, size))
             views[f"{parent}.{shard}.weight_scale_inv"] = (
-                f"{prefix}.weight_scale_inv", lambda p, s=start // rows, n=-(-size // rows): p.narrow(0, s, n))
+                f"{prefix}.weight_scale_inv", narrow_rows(start // rows, -(-size // rows)))
             if self.bias is not None:
-                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", lambda p, s=start, n=size: p.narrow(0, s, n))
+                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", narrow_rows(start, size))
         return views
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -158,7 +167,7 @@ class Fp8Linear(nn.Module):
         out = self.buffer.take((stop - start, self.in_features), dtype) if self.kernels is not None else None
         return self._widened(start, stop, dtype, out)
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         """native_bf16: torch's bf16 matmul is fast here; where it is not, bf16 inputs of any size take the
         kernel, as CpuLinear's bf16 weights do (measured: a 1K-token bf16 prefill 1.44x slower through F.linear)."""
         self.kernels = kernels
@@ -177,6 +186,7 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
         tile = self._tile_rows()
+        assert self.kernels is not None  # called only with the C kernels loaded
         for start in range(0, self.out_features, tile):
             stop = min(start + tile, self.out_features)
             weight = self._tile(start, stop, x.dtype)

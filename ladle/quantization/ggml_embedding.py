@@ -9,12 +9,16 @@ decode's logits rows go through the block kernel and nothing is stored twice.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ladle.quantization.fp8_linear import WidenBuffer
 from ladle.quantization.ggml_linear import BLOCK_TYPES, GgmlLinear, block_weights, row_bytes, torch_dequantize
+
+if TYPE_CHECKING:
+    from ladle.kernels.cpu_kernels import CpuKernels
 
 
 class GgmlEmbedding(nn.Module):
@@ -29,9 +33,9 @@ class GgmlEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, row_bytes(embedding_dim, qtype), dtype=torch.uint8),
                                    requires_grad=False)
         self.dtype = torch.float32  # what lookups widen into: the model dtype, given by use_ggml_embedding
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.kernels: CpuKernels | None = None  # set by use_cpu_kernels
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: Any = None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels = kernels
 
     def as_head(self) -> GgmlLinear:
@@ -65,7 +69,7 @@ def use_ggml_embedding(root: nn.Module, types: dict[str, str], dtype: torch.dtyp
     model = getattr(root, "model", None)
     embed = getattr(model, "embed_tokens", None)
     qtype = types.get("model.embed_tokens.weight")
-    if not isinstance(embed, nn.Embedding) or qtype not in BLOCK_TYPES:
+    if model is None or not isinstance(embed, nn.Embedding) or qtype not in BLOCK_TYPES:
         return set()
     try:
         kept = GgmlEmbedding(embed.num_embeddings, embed.embedding_dim, qtype)

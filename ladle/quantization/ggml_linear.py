@@ -15,13 +15,17 @@ the layer otherwise).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, TILE_ELEMENTS, WidenBuffer
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, TILE_ELEMENTS, WidenBuffer, narrow_rows
+
+if TYPE_CHECKING:
+    from ladle.kernels.cpu_kernels import CpuKernels
 
 # ggml type name -> (ggml type id, bytes per block): ggml's block_q8_0, block_q4_0, block_q4_1 (32 weights) and
 # block_q4_K, block_q5_K, block_q6_K (256-weight super-blocks).
@@ -109,7 +113,7 @@ class GgmlLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels, set by use_cpu_kernels
+        self.kernels: CpuKernels | None = None  # set by use_cpu_kernels
         self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
         self.skinny_bf16 = False  # torch's bf16 matmul is slow here: bf16 prefill tiles go through skinny_linear
 
@@ -117,12 +121,12 @@ class GgmlLinear(nn.Module):
         parent = prefix.rsplit(".", 1)[0]
         views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
         for shard, (start, size) in self.shards.items():
-            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", lambda p, s=start, n=size: p.narrow(0, s, n))
+            views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", narrow_rows(start, size))
             if self.bias is not None:
-                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", lambda p, s=start, n=size: p.narrow(0, s, n))
+                views[f"{parent}.{shard}.bias"] = (f"{prefix}.bias", narrow_rows(start, size))
         return views
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         """native_bf16: torch's bf16 matmul is fast here; where it is not (AVX2), a bf16 prefill multiplies
         each widened tile by skinny_linear, as Fp8Linear and bf16 CpuLinear weights do."""
         self.kernels = kernels
@@ -143,6 +147,7 @@ class GgmlLinear(nn.Module):
         x2 = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype).contiguous()
+        assert self.kernels is not None  # called only with the C kernels loaded
         failed = self.kernels.ggml_linear(x2.data_ptr(), self.weight.data_ptr(),
                                           None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
                                           self.out_features, self.in_features, BLOCK_TYPES[self.qtype][0],
@@ -173,6 +178,7 @@ class GgmlLinear(nn.Module):
         x2 = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
         bias = None if bias is None else bias.contiguous()
+        assert self.kernels is not None  # called only with the C kernels loaded
         failed = self.kernels.skinny_linear(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                             y.data_ptr(), rows, weight.shape[0], self.in_features, 1,
                                             torch.get_num_threads())

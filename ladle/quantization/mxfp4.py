@@ -3,13 +3,16 @@ int8 tensor [out, in / 2], and one E8M0 power-of-two scale per 32 inputs [out, i
 memory (an eighth of fp32's bytes, plus a byte per 32 values); an expert is widened when a step routes to it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ladle.quantization.config import MXFP4_GROUP
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, WidenBuffer
+
+if TYPE_CHECKING:
+    from ladle.kernels.cpu_kernels import CpuKernels
 
 # e2m1: sign, two exponent bits, one mantissa bit; code c's value, the sign bit (8) negating it.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -30,8 +33,8 @@ class Mxfp4ExpertStack:
     stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked. With ladle's C kernels (CPU),
     linear() multiplies a decode step's few rows by the packed bytes directly (ladle/kernels/cpu/mxfp4_linear.c)."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernels: Any = None,
-                 buffer: WidenBuffer | None = None) -> None:
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 kernels: CpuKernels | None = None, buffer: WidenBuffer | None = None) -> None:
         self.packed, self.scales, self.dtype, self.kernels, self.buffer = packed, scales, dtype, kernels, buffer
         self.shape = (*packed.shape[:-1], 2 * packed.shape[-1])
 
@@ -41,6 +44,7 @@ class Mxfp4ExpertStack:
     def widened(self, expert: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Expert's weight in dtype (fp32 or bf16) widened in C, into out when given: the same bits as stack[e]."""
         out = torch.empty(self.shape[1:], dtype=dtype) if out is None else out
+        assert self.kernels is not None  # called only with the C kernels loaded
         self.kernels.mxfp4_dequantize(self.packed[expert].data_ptr(), self.scales[expert].data_ptr(), out.data_ptr(),
                                       self.shape[1], self.shape[2], int(dtype == torch.bfloat16),
                                       torch.get_num_threads())
