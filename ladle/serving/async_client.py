@@ -6,19 +6,27 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from ladle.config.engine_args import EngineArgs
-from ladle.engine.core_output import EngineCoreOutput
-from ladle.engine.core_output import EngineSnapshot
+from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
+from ladle.request import RequestRejected, child_request_ids
+from ladle.sampling_params import SamplingParams
 from ladle.serving.messages import (
-    AbortRequests, Added, AddRequest, EngineInfo, FromEngine, Outputs, Ping, Pong, Ready, Rejected,
+    AbortRequests,
+    Added,
+    AddRequest,
+    EngineInfo,
+    FromEngine,
+    Outputs,
+    Ping,
+    Pong,
+    Ready,
+    Rejected,
 )
 from ladle.serving.path_redactor import PathRedactor
 from ladle.serving.supervisor import EngineProcess, EngineState, EngineSupervisor, SupervisorConfig
-from ladle.request import RequestRejected, child_request_ids
-from ladle.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngineClient", "EngineDeadError", "EngineState", "EngineUnavailableError", "RequestHandle",
            "SupervisorConfig"]
@@ -238,10 +246,11 @@ class AsyncEngineClient:
         """End every request in flight with this error, and abort them in the engine (a no-op when it died)."""
         err = EngineDeadError(reason, code)
         proc = self.supervisor.current
-        live = proc is not None and not proc.dead.is_set()
-        children = [c for h in self._requests.values() if live and h.generation == proc.number for c in h.unfinished]
-        if children:
-            proc.send(AbortRequests(tuple(children)))
+        live = proc if proc is not None and not proc.dead.is_set() else None
+        children = [c for h in self._requests.values() if live is not None and h.generation == live.number
+                    for c in h.unfinished]
+        if live is not None and children:
+            live.send(AbortRequests(tuple(children)))
         for handle in self._requests.values():
             if not handle.accepted.done():
                 handle.accepted.set_exception(err)

@@ -46,7 +46,7 @@ def accept(sock: socket.socket, handoff: Handoff, timeout_s: float) -> Connectio
         sock.settimeout(min(1.0, left))
         try:
             peer, _ = sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:
             return None

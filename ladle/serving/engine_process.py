@@ -24,17 +24,33 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ladle.config.engine_args import EngineArgs
-from ladle.startup.cpu_lending import WINDOW_S
 from ladle.engine.core_output import EngineSnapshot
 from ladle.request import RequestRejected
 from ladle.serving import engine_handoff
 from ladle.serving.messages import (
-    AbortRequests, Added, AddRequest, EngineInfo, Fatal, FromEngine, Outputs, Ping, Pong, Ready, Rejected, Shutdown,
-    StartupFailed, ToEngine,
+    AbortRequests,
+    Added,
+    AddRequest,
+    EngineInfo,
+    Fatal,
+    FromEngine,
+    Outputs,
+    Ping,
+    Pong,
+    Ready,
+    Rejected,
+    Shutdown,
+    StartupFailed,
+    ToEngine,
 )
+from ladle.startup.cpu_lending import WINDOW_S
+
+if TYPE_CHECKING:
+    from ladle.engine.core import EngineCore
+    from ladle.sampling_params import SamplingParams
 
 logger = logging.getLogger("ladle.engine_process")
 
@@ -51,7 +67,7 @@ class _ReceiveFailed:
 class EngineLoop:
     """Owns the core in the engine process: applies messages between steps, steps while there is work."""
 
-    def __init__(self, core: Any, conn: Connection, max_queue_len: int | None) -> None:
+    def __init__(self, core: EngineCore, conn: Connection, max_queue_len: int | None) -> None:
         self.core = core
         self.conn = conn
         self.max_queue_len = max_queue_len
@@ -132,7 +148,8 @@ class EngineLoop:
             logger.error("unknown message %r from the API process; ignored", type(msg).__name__)
         return True
 
-    def _add(self, parent_id: str, prompts: list[list[int]], params: Any, marks: tuple[int, ...] = ()) -> None:
+    def _add(self, parent_id: str, prompts: list[list[int]], params: SamplingParams,
+             marks: tuple[int, ...] = ()) -> None:
         """All children of one API request are admitted together, or none is."""
         if self.max_queue_len is not None and self.core.snapshot().num_waiting >= self.max_queue_len:
             self.send(Rejected(parent_id, "queue_full",
@@ -180,8 +197,8 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         os.setsid()  # out of the API process's group, which its supervisor kills when the API process dies
         listener = engine_handoff.listen(handoff.path)
     try:
-        from ladle.startup.allocator import tune_malloc
         from ladle.engine.core import EngineCore
+        from ladle.startup.allocator import tune_malloc
 
         if not tune_malloc():
             logger.info("malloc left at its defaults (no glibc mallopt here)")
@@ -203,7 +220,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
             core.shutdown()
             return
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            if listener is None:
+            if listener is None or handoff is None:  # both None or neither
                 logger.warning("the API process went away; the engine process exits")
                 return
         except BaseException as e:  # noqa: BLE001 -- the supervisor restarts us; tell it why first
@@ -224,7 +241,7 @@ def run_engine_process(args: EngineArgs, explicit: frozenset[str], conn: Connect
         logger.info("a new API process adopted this engine")
 
 
-def _abort_everything(core: Any) -> int:
+def _abort_everything(core: EngineCore) -> int:
     """The dead API process's requests, ended and their KV freed (a step launched ahead is run out first, as
     after any abort); how many there were."""
     ids = list(core.scheduler.requests)

@@ -15,8 +15,11 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 from ladle.config.engine_args import EngineArgs
 from ladle.serving.engine_handoff import AdoptedProcess, Handoff, adopt
@@ -49,10 +52,13 @@ class SupervisorConfig:
     engine_handoff: Handoff | None = None
 
 
+AnyProcess = BaseProcess | AdoptedProcess  # an engine process spawned by this API process, or one it adopted
+
+
 class EngineProcess:
     """One generation: the process, its pipe, and the two threads that talk over it."""
 
-    def __init__(self, number: int, process: Any, conn: Any) -> None:
+    def __init__(self, number: int, process: AnyProcess, conn: Connection) -> None:
         self.number, self.process, self.conn = number, process, conn
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -64,9 +70,11 @@ class EngineProcess:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        pid = self.process.pid
+        assert pid is not None  # the process is started before it is wrapped
+        return pid
 
-    def send(self, msg: ToEngine) -> None:
+    def send(self, msg: ToEngine | None) -> None:  # None: the writer's stop
         self.outbox.put(msg)
 
     def writer(self) -> None:
@@ -126,7 +134,8 @@ class EngineSupervisor:
         self.stopping = False
         self._task: asyncio.Task | None = None
         self._numbers = itertools.count(1)
-        self._early: tuple[Any, Any] | None = None  # a process started before the event loop (prestart)
+        self._early: tuple[AnyProcess, Connection] | None = None  # a process started before the event loop
+        # (prestart)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ladle-engine-supervisor")
@@ -203,7 +212,7 @@ class EngineSupervisor:
         process left an engine waiting (config.engine_handoff), that engine is the first generation instead."""
         self._early = self._adopt() or self._start_process()
 
-    def _adopt(self) -> tuple[Any, Any] | None:
+    def _adopt(self) -> tuple[AnyProcess, Connection] | None:
         handoff = self.config.engine_handoff
         found = adopt(handoff.path) if handoff is not None else None
         if found is None:
@@ -212,7 +221,7 @@ class EngineSupervisor:
         logger.warning("adopting engine process %d, left by the API process before this one", pid)
         return AdoptedProcess(pid), conn
 
-    def _start_process(self) -> tuple[Any, Any]:
+    def _start_process(self) -> tuple[AnyProcess, Connection]:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited locks, CUDA-safe
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(target=run_engine_process, name="ladle-engine", daemon=True,
