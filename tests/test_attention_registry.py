@@ -72,3 +72,20 @@ def test_a_named_backend_that_lacks_what_a_group_needs_fails_naming_it():
     assert resolve_backend(CUDA, None) == ("triton", TritonAttention.description)
     assert isinstance(select_backend(CUDA, SHARED, "triton"), TritonAttention)
     assert isinstance(select_backend(torch.device("cpu"), SHARED, "torch"), TorchAttention)
+
+
+def test_deepseek_v4_refuses_a_backend_without_sink_attention():
+    from ladle.kernels.cpu_kernels import KernelUnavailable
+    from ladle.models.deepseek_v4.attention import sink_backend
+
+    common = CommonAttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                                     (1,), (1,), 16)
+    slots, tables = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32)
+    torch_backend = TorchAttention()
+    assert sink_backend(torch_backend.build_metadata(common, slots, tables, 8)) is torch_backend
+    try:
+        cpu = BACKENDS["cpu"].create()
+    except KernelUnavailable:
+        pytest.skip("no C compiler here")
+    with pytest.raises(TypeError, match=r"needs a backend that runs sink attention.*'cpu' backend does not"):
+        sink_backend(cpu.build_metadata(common, slots, tables, 8))

@@ -22,9 +22,10 @@ def resolve_backend(device: torch.device, requested: str | None) -> tuple[str, s
                              "unset)")
         missing = cls.unavailable()
         if missing is not None:
-            others = [name for name in here if name != requested and BACKENDS[name].unavailable() is None]
-            raise ValueError(f"attention_backend={requested!r} {missing}; use "
-                             f"{' or '.join(f'attention_backend={name!r}' for name in others)}")
+            others = [f"attention_backend={name!r}" for name in here
+                      if name != requested and BACKENDS[name].unavailable() is None]
+            use = f"; use {' or '.join(others)}" if others else ""
+            raise ValueError(f"attention_backend={requested!r} {missing}{use}")
         return requested, ""
     skipped: list[str] = []
     for name in here:

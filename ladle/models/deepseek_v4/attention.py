@@ -6,7 +6,9 @@ rope is interleaved and partial (the trailing rope dims), with the "main" table 
 back by the query's position, and the heads leave through a grouped low-rank projection (wo_a, wo_b).
 
 The attention itself runs in the group's backend (ladle.attention.sink_attention): the torch reference,
-which loops over the step's requests gathering each one's window from the pool, or one Triton kernel.
+which loops over the step's requests gathering each one's window from the pool, or one Triton kernel. Only a
+backend that declares SupportsSinkAttention runs it: the selector gives this model's groups (one K=V vector per
+token) no other at startup, and sink_backend refuses any other a group was built with by hand.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.attention.backend import BackendMetadata
+from ladle.attention.metadata import StateMetadata
 from ladle.attention.sink_attention import QUERY_BLOCK, CompressedEntries
+from ladle.attention.sink_capability import SupportsSinkAttention
 from ladle.models.deepseek_v4.compressor import (
     Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
 )
@@ -52,9 +56,9 @@ class CompressedCaches:
     paged layers with their groups' metadata, and its compressors' state slot."""
 
     entries: torch.Tensor
-    entries_meta: AttentionMetadata
+    entries_meta: BackendMetadata
     index_keys: torch.Tensor | None
-    index_meta: AttentionMetadata | None
+    index_meta: BackendMetadata | None
     state: tuple[torch.Tensor, ...]
     state_meta: StateMetadata
 
@@ -97,19 +101,19 @@ class Dsv4Attention(nn.Module):
         return shapes + (self.indexer.compressor.state_shapes() if self.indexer else [])
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
-                 attn: AttentionMetadata) -> None:
+                 attn: BackendMetadata) -> None:
         """A sliding layer's K=V vectors at these positions into its window's pool, and nothing else."""
         self._write_window(x, *rope(positions, x.dtype), kv_cache, attn)
 
     def _write_window(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+                      kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> torch.Tensor:
         """x's K=V vectors [t, D] (key and value alike) into the window's pool; returns the pool as rows."""
         pool = kv_cache[0].view(-1, self.head_dim)
         pool[attn.slot_mapping] = interleaved_rope(self.norm(self.wkv(x)), cos, sin)
         return pool
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
-                attn: AttentionMetadata, compressed: CompressedCaches | None) -> torch.Tensor:
+                attn: BackendMetadata, compressed: CompressedCaches | None) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = rope(positions, x.dtype)
         q_residual = self.q_norm(self.wq_a(x))
@@ -145,10 +149,18 @@ class Dsv4Attention(nn.Module):
         entries = (None if self.compressor is None
                    else CompressedEntries(entry_pool, entry_rows, picks, self.compressor.rate))
         # The group's backend runs it: the torch reference, or one Triton kernel on CUDA.
-        out = attn.backend.sink_attention(q, pool, positions, attn, self.window, self.attn_sink.float(),
-                                          self.head_dim**-0.5, entries)
+        out = sink_backend(attn).sink_attention(q, pool, positions, attn, self.window, self.attn_sink.float(),
+                                                self.head_dim**-0.5, entries)
         out = interleaved_rope(out, cos, -sin)  # values carried rope: rotate it back at the query's position
         return self.wo_b(grouped_projection(self.wo_a, out.reshape(t, self.o_groups, -1)).reshape(t, -1))
+
+
+def sink_backend(attn: BackendMetadata) -> SupportsSinkAttention:
+    """The group's backend, as the one that runs DeepSeek-V4's attention, or a TypeError naming it."""
+    if not isinstance(attn.backend, SupportsSinkAttention):
+        raise TypeError(f"DeepSeek-V4's attention needs a backend that runs sink attention "
+                        f"(ladle.attention.sink_capability); the {attn.backend.name!r} backend does not")
+    return attn.backend
 
 
 def grouped_projection(layer: nn.Module, grouped: torch.Tensor) -> torch.Tensor:

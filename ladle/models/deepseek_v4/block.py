@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.backend import BackendMetadata
 from ladle.models.deepseek_v4.attention import CompressedCaches, Dsv4Attention
 from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm, unweighted_rms_norm
 from ladle.models.deepseek_v4.moe import MoE
@@ -67,7 +67,7 @@ class Block(nn.Module):
                                                                                streams)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, rope: Any,
-                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata,
                 compressed: CompressedCaches | None) -> torch.Tensor:
         streams = self._mixed("attn", streams, lambda h: self.attn(self.attn_norm(h), positions, rope, kv_cache,
                                                                    attn, compressed))

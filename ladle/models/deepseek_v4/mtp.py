@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.backend import BackendMetadata
 from ladle.models.deepseek_v4.block import Block, hyper_head, hyper_weights
 from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
 
@@ -44,13 +44,13 @@ class Dsv4MultiTokenPredictor(Block):
         return self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embeds)).unsqueeze(1)
 
     def run(self, embeds: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-            rope: Any, kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+            rope: Any, kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> torch.Tensor:
         """embeds [T, H] of the next tokens (input_ids), hidden [T, n * H] the streams there -> its output
         streams [T, n * H]."""
         return self(self._streams(embeds, hidden), input_ids, positions, rope, kv_cache, attn, None).flatten(1)
 
     def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rope: Any,
-                 kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> None:
+                 kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> None:
         """Only the block's window K=V at these positions (its attention input; no query, attention or MoE)."""
         _, _, collapsed = hyper_weights(self._streams(embeds, hidden), self.hc_attn_fn, self.hc_attn_base,
                                         self.hc_attn_scale, *self.hc)

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.backend import BackendMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.layers.ops import OpsModule
 
@@ -151,7 +151,7 @@ class Attention(OpsModule):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionMetadata,
+        attn: BackendMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionMetadata,
+        attn: BackendMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (mlp output, residual): the residual add is deferred into the next norm, where
         CUDA fuses it (vLLM's layout). The first layer gets residual None."""

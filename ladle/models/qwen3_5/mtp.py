@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.backend import BackendMetadata
 
 
 def num_mtp_layers(config: Any) -> int:
@@ -40,14 +40,14 @@ class MultiTokenPredictor(nn.Module):
         self.norm = make_norm()
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> torch.Tensor:
         """embeds [T, H]: the embedded next tokens; hidden [T, H]: the target's (or this layer's own) normed
         output at each position -> this layer's normed output [T, H], whose logits are the drafts'."""
         x = self.layers[0](self._input(embeds, hidden), cos, sin, kv_cache, attn)
         return self.norm(x)
 
     def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> None:
+                 kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> None:
         """Only the layer's K/V at these positions: a fraction of the layer (no queries, attention or MLP)."""
         layer = self.layers[0]
         layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), cos, sin, kv_cache, attn)
