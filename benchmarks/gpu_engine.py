@@ -106,7 +106,7 @@ def linear_flops_per_token(cfg: Any) -> float:
 def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) -> dict:
     """A prompt_len prompt prefilled in chunks of `chunk` straight through the model runner, on a scratch
     KV pool so the engine's own (prefix-cached) blocks are never touched. Second pass is timed."""
-    from ladle.runner.step_batch import ScheduledChunk
+    from ladle.runner.step_batch import StepBatch
     from ladle.runner.kv_allocation import allocate_kv_caches
     from ladle.runner.model_runner import ModelRunner
     from ladle.runner.sampling_batch import sampling_metadata
@@ -126,7 +126,7 @@ def prefill_speed(core: Any, prompt_len: int, chunk: int, peak_tflops: float) ->
         t0 = time.perf_counter()
         for s in range(0, prompt_len, chunk):
             last = s + chunk >= prompt_len
-            runner.run([ScheduledChunk(ids[s : s + chunk], s, table, last)], greedy if last else empty)
+            runner.run(StepBatch().add(ids[s : s + chunk], s, table, last), greedy if last else empty)
         sync(ec.device)
         times.append(time.perf_counter() - t0)
     attn = 4.0 * layers * cfg.num_attention_heads * hd * prompt_len * (prompt_len + 1) / 2

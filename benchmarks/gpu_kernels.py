@@ -22,7 +22,7 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
     step time at each batch size, and how far the graph's logits are from the eager ones."""
     from ladle.runner.cuda_graphs import DecodeGraphs
     from ladle.runner.inputs import build_step_inputs
-    from ladle.runner.step_batch import ScheduledChunk, StepBatch
+    from ladle.runner.step_batch import StepBatch
     from ladle.runner.kv_allocation import allocate_kv_caches
 
     ec, model = core.config, core.model_executor.runner.model
@@ -35,18 +35,20 @@ def decode_graphs(core: Any, context: int, batches: tuple[int, ...]) -> dict:
         graphs.capture()
     res: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 1), "sizes": list(graphs.sizes)}
 
-    def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def eager(chunks: StepBatch) -> torch.Tensor:
         inputs = build_step_inputs(chunks, ec.block_size, ec.device, groups=core.model_executor.runner.groups)
         return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, inputs.attn))
 
     for b in batches:
-        chunks = [ScheduledChunk([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True) for i in range(b)]
-        res[f"batch{b}"] = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c)), ec.device,
+        chunks = StepBatch()
+        for i in range(b):
+            chunks.add([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)), True)
+        res[f"batch{b}"] = _eager_vs_graph(chunks, eager, graphs.run, ec.device,
                                            "max_abs_logit_diff")
     return res
 
 
-def _eager_vs_graph(chunks: list, eager: Callable, graph: Callable, device: torch.device, diff_name: str) -> dict:
+def _eager_vs_graph(chunks: Any, eager: Callable, graph: Callable, device: torch.device, diff_name: str) -> dict:
     """Each path's step time (20 steps after one warm-up) and the largest difference of their outputs. The CPU
     dry run times 2 steps: it checks the control flow (the Triton interpreter's times mean nothing), and each
     step there runs every kernel through the interpreter."""
@@ -71,9 +73,10 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     """Steps with a prefill chunk eager vs replayed from CUDA graphs (ladle.runner.mixed_graphs), on a scratch
     KV pool: `decodes` decodes at `context` beside one `chunk`-token prefill chunk, for each (decodes, chunk);
     step time and how far the graph's hidden states (the sampled rows') are from the eager ones."""
-    from ladle.attention.backends import TritonAttention, reference_group
+    from ladle.attention.groups import reference_group
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.runner.inputs import build_step_inputs
-    from ladle.runner.step_batch import ScheduledChunk, StepBatch
+    from ladle.runner.step_batch import StepBatch
     from ladle.runner.mixed_graphs import MixedGraphs
     from ladle.runner.kv_allocation import allocate_kv_caches
 
@@ -94,14 +97,16 @@ def mixed_graphs(core: Any, context: int, steps: tuple[tuple[int, int], ...]) ->
     def table(i: int) -> list[int]:
         return list(range(i * per_seq, (i + 1) * per_seq))
 
-    def eager(chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def eager(chunks: StepBatch) -> torch.Tensor:
         inputs = build_step_inputs(chunks, ec.block_size, ec.device, groups=groups)
         return model(inputs.input_ids, inputs.positions, caches, inputs.attn)
 
     for decodes, chunk in steps:
-        chunks = [ScheduledChunk([i + 1], context, table(i), True) for i in range(decodes)]
-        chunks.append(ScheduledChunk(list(range(1, chunk + 1)), context, table(decodes), True))
-        row = _eager_vs_graph(chunks, eager, lambda c: graphs.run(StepBatch.of(c))[0], ec.device,
+        chunks = StepBatch()
+        for i in range(decodes):
+            chunks.add([i + 1], context, table(i), True)
+        chunks.add(list(range(1, chunk + 1)), context, table(decodes), True)
+        row = _eager_vs_graph(chunks, eager, lambda c: graphs.run(c)[0], ec.device,
                               "max_abs_hidden_diff")
         res[f"decodes{decodes}_chunk{chunk}"] = dict(row, tokens=decodes + chunk,
                                                      graph_size=graphs.bucket(decodes + chunk))
@@ -113,7 +118,7 @@ def kernel_check(device: torch.device, small: bool) -> dict:
     from ladle.attention import torch_ref as reference
     from ladle.attention import triton_attention
     from ladle.runner.inputs import build_step_inputs
-    from ladle.runner.step_batch import ScheduledChunk
+    from ladle.runner.step_batch import StepBatch
 
     res: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
@@ -121,10 +126,10 @@ def kernel_check(device: torch.device, small: bool) -> dict:
     requests = [(0, 700), (1500, 300), (2999, 1), (16, 1), (0, 1), (511, 1), (64, 40), (4000, 1)]
     requests = [(0, 19), (21, 13), (47, 1), (0, 1)] if small else requests
     free = torch.randperm(nblocks, generator=g).tolist()
-    chunks = []
+    chunks = StepBatch()
     for start, n in requests:
         need = -(-(start + n) // page)
-        chunks.append(ScheduledChunk([0] * n, start, free[:need], True))
+        chunks.add([0] * n, start, free[:need], True)
         free = free[need:]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)):
         kc, vc = (torch.randn(nblocks, page, kvh, dim, generator=g).to(dtype) for _ in range(2))
@@ -147,13 +152,15 @@ def _attention_case(reqs: list[tuple[int, int]], device: torch.device) -> tuple:
     """(step metadata, q, k pool, v pool, FLOPs, KV bytes read) of bf16 attention at the 8B head shape for
     requests (tokens cached, new tokens), each on shuffled blocks of one scratch pool."""
     from ladle.runner.inputs import build_step_inputs
-    from ladle.runner.step_batch import ScheduledChunk
+    from ladle.runner.step_batch import StepBatch
 
     page, heads, kvh, dim = 16, 32, 8, 128
     blocks = iter(torch.randperm(sum(-(-(s + n) // page) for s, n in reqs)).tolist())
-    chunks = [ScheduledChunk([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True) for s, n in reqs]
+    chunks = StepBatch()
+    for s, n in reqs:
+        chunks.add([0] * n, s, [next(blocks) for _ in range(-(-(s + n) // page))], True)
     step = build_step_inputs(chunks, page, device)
-    nb = sum(len(c.block_ids[0]) for c in chunks)
+    nb = sum(len(t[0]) for t in chunks.block_ids)
     kc, vc = (torch.randn(nb, page, kvh, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(step.num_tokens, heads, dim, device=device, dtype=torch.bfloat16)
     flops = sum(4.0 * heads * dim * n * (s + (n + 1) / 2) for s, n in reqs)

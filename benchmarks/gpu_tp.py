@@ -36,11 +36,11 @@ def _throughput(path: str, tp: int, device: str, requests: int, prompt_len: int,
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), use_tqdm=False)
         seconds = time.perf_counter() - start
-        runner = llm.engine.core.model_executor.runner
-        sends = getattr(runner, "broadcasts", 0)
+        executor = llm.engine.core.model_executor
+        sends = getattr(executor, "broadcasts", 0)
     return {"startup_s": round(startup, 1), "generate_s": round(seconds, 2),
             "output_tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / seconds, 1),
-            "broadcast_ms_per_step": round(1000 * runner.broadcast_s / sends, 3) if sends else None}
+            "broadcast_ms_per_step": round(1000 * executor.broadcast_s / sends, 3) if sends else None}
 
 
 def tensor_parallel(device: torch.device, workdir: Path, config: Any, small: bool) -> dict[str, Any]:

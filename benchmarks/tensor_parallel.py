@@ -34,15 +34,16 @@ def run(model: str, tp: int, workload: list[tuple[list[int], int]]) -> dict[str,
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in workload], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    runner, stats = llm.engine.core.model_executor.runner, llm.stats
+    executor, stats = llm.engine.core.model_executor, llm.stats
     row = {"tensor_parallel_size": tp, "startup_s": startup, "generate_s": seconds, "steps": stats.num_steps,
            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
            "num_threads": llm.config.settings["num_threads"].value,
            "tokens": [o.outputs[0].token_ids for o in outs]}
     if tp > 1:
-        row.update(broadcasts=runner.broadcasts, broadcast_ms_per_step=1000 * runner.broadcast_s / runner.broadcasts,
-                   broadcast_bytes_per_step=runner.broadcast_bytes / runner.broadcasts,
-                   broadcast_share=runner.broadcast_s / seconds)
+        row.update(broadcasts=executor.broadcasts,
+                   broadcast_ms_per_step=1000 * executor.broadcast_s / executor.broadcasts,
+                   broadcast_bytes_per_step=executor.broadcast_bytes / executor.broadcasts,
+                   broadcast_share=executor.broadcast_s / seconds)
     llm.shutdown()
     return row
 

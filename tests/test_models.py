@@ -14,7 +14,7 @@ from ladle.models.loading.loader import load_model
 from ladle.models.registry import model_class_for
 from ladle.attention.torch_ref import paged_attention, write_kv
 from ladle.runner.inputs import build_step_inputs
-from ladle.runner.step_batch import ScheduledChunk
+from ladle.runner.step_batch import StepBatch
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -76,9 +76,9 @@ class Pair:
         return [(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
                  torch.zeros(NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads, s.head_dim)) for s in specs]
 
-    def step(self, chunks: list[ScheduledChunk], caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def step(self, step: StepBatch, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run one step and return the logits of every row."""
-        inputs = build_step_inputs(chunks, BLOCK_SIZE)
+        inputs = build_step_inputs(step, BLOCK_SIZE)
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn)
             return self.model.compute_logits(hidden)
@@ -118,15 +118,17 @@ def test_config_and_checkpoint_shape(pair: Pair) -> None:
 
 def test_full_prefill_single(pair: Pair) -> None:
     ids = prompt(23, seed=1)
-    logits = pair.step([ScheduledChunk(ids, 0, Blocks().take(len(ids)), True)], pair.caches())
+    logits = pair.step(StepBatch().add(ids, 0, Blocks().take(len(ids)), True), pair.caches())
     torch.testing.assert_close(logits, pair.hf_logits(ids), atol=ATOL, rtol=0)
 
 
 def test_full_prefill_batch_of_three(pair: Pair) -> None:
     prompts = [prompt(9, seed=2), prompt(17, seed=3), prompt(4, seed=4)]
     blocks = Blocks(seed=1)
-    chunks = [ScheduledChunk(p, 0, blocks.take(len(p)), True) for p in prompts]
-    logits = pair.step(chunks, pair.caches())
+    step = StepBatch()
+    for p in prompts:
+        step.add(p, 0, blocks.take(len(p)), True)
+    logits = pair.step(step, pair.caches())
     row = 0
     for p in prompts:
         torch.testing.assert_close(logits[row : row + len(p)], pair.hf_logits(p), atol=ATOL, rtol=0)
@@ -140,8 +142,8 @@ def test_chunked_prefill_matches_full(pair: Pair) -> None:
     caches = pair.caches()
     start = 0
     for size in (5, 1, 7, 3, 8, 6):
-        chunk = ScheduledChunk(ids[start : start + size], start, table, start + size == len(ids))
-        logits = pair.step([chunk], caches)
+        chunk = StepBatch().add(ids[start : start + size], start, table, start + size == len(ids))
+        logits = pair.step(chunk, caches)
         torch.testing.assert_close(logits, expected[start : start + size], atol=ATOL, rtol=0)
         start += size
     assert start == len(ids)
@@ -155,14 +157,14 @@ def test_mixed_decode_and_prefill_step(pair: Pair) -> None:
     caches = pair.caches()
     # Step 1: prefill a[:39] and c[:12]. Step 2: a and c decode one token each while b prefills 6 tokens.
     # Step 3: a decodes again while b finishes its prompt.
-    pair.step([ScheduledChunk(a[:39], 0, ta, True), ScheduledChunk(c[:12], 0, tc, True)], caches)
-    step2 = [ScheduledChunk([a[39]], 39, ta, True), ScheduledChunk(b[:6], 0, tb, False), ScheduledChunk([c[12]], 12, tc, True)]
+    pair.step(StepBatch().add(a[:39], 0, ta, True).add(c[:12], 0, tc, True), caches)
+    step2 = StepBatch().add([a[39]], 39, ta, True).add(b[:6], 0, tb, False).add([c[12]], 12, tc, True)
     logits = pair.step(step2, caches)
     full_a, full_b, full_c = pair.hf_logits(a), pair.hf_logits(b), pair.hf_logits(c)
     torch.testing.assert_close(logits[0], full_a[39], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[1:7], full_b[:6], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[7], full_c[12], atol=ATOL, rtol=0)
-    logits = pair.step([ScheduledChunk(b[6:], 6, tb, True), ScheduledChunk([a[40]], 40, ta, True)], caches)
+    logits = pair.step(StepBatch().add(b[6:], 6, tb, True).add([a[40]], 40, ta, True), caches)
     torch.testing.assert_close(logits[:9], full_b[6:], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[9], full_a[40], atol=ATOL, rtol=0)
 
@@ -189,13 +191,13 @@ def test_paged_attention_matches_dense_reference(tile: int, group_tokens: int) -
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, generator=g)  # garbage outside written slots
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, generator=g)
     blocks = Blocks(seed=4)
-    chunks, history = [], []
+    chunks, history = StepBatch(), []
     for start, n in requests:
         table = blocks.take(start + n)
         hk, hv = torch.randn(start, kv_heads, dim, generator=g), torch.randn(start, kv_heads, dim, generator=g)
         slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start)])
         write_kv(hk, hv, k_cache, v_cache, slots.long())
-        chunks.append(ScheduledChunk([0] * n, start, table, True))
+        chunks.add([0] * n, start, table, True)
         history.append((hk, hv))
     inputs = build_step_inputs(chunks, BLOCK_SIZE)
     t = inputs.num_tokens

@@ -11,7 +11,7 @@ from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.startup.memory import measure_peak
 from ladle.models.layers.moe import SparseMoeBlock, route
-from ladle.runner.step_batch import ScheduledChunk
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.sampling_batch import sampling_metadata
 
 PROMPT_LENS = [1, 3, 17, 64, 150]
@@ -86,14 +86,15 @@ def test_a_step_with_every_token_on_the_same_experts_stays_within_the_plan(tmp_p
     llm = LLM(wide, max_num_batched_tokens=512, max_model_len=2048)
     core = llm.engine.core
     blocks = list(range(-(-2048 // core.config.block_size)))
-    chunk = ScheduledChunk(_prompts([512], 5)[0], 2048 - 512, blocks, True)
-    meta = sampling_metadata([SamplingParams(temperature=0)], 512, prompts=[chunk.token_ids])
+    tokens = _prompts([512], 5)[0]
+    step = StepBatch().add(tokens, 2048 - 512, blocks, True)
+    meta = sampling_metadata([SamplingParams(temperature=0)], 512, prompts=[tokens])
     moe = [m for m in core.model_executor.runner.model.modules() if isinstance(m, SparseMoeBlock)]
     peaks = {}
     for force in (False, True):
         for m in moe:
             m.force_worst_routing = force
-        peaks[force] = measure_peak(lambda: core.model_executor.runner.run([chunk], meta), torch.device("cpu"))
+        peaks[force] = measure_peak(lambda: core.model_executor.runner.run(step, meta), torch.device("cpu"))
     for m in moe:
         m.force_worst_routing = False
     assert peaks[True] > 1.5 * peaks[False], peaks  # the worst routing is what costs

@@ -21,10 +21,10 @@ pytest.importorskip("triton", reason="triton is not installed (the 'test' extra 
 
 from ladle.attention import torch_ref as reference  # noqa: E402
 from ladle.attention import triton_attention as kernels  # noqa: E402
-from ladle.attention.backends import reference_group  # noqa: E402
+from ladle.attention.groups import reference_group  # noqa: E402
 from ladle.attention.metadata import AttentionMetadata  # noqa: E402
 from ladle.runner.inputs import build_step_inputs  # noqa: E402
-from ladle.runner.step_batch import ScheduledChunk, StepBatch  # noqa: E402
+from ladle.runner.step_batch import StepBatch  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 
 PAGE = 16
@@ -48,11 +48,11 @@ class Step:
         self.k_cache, self.v_cache = ((3 * torch.randn(NUM_BLOCKS, PAGE, kv_heads, dim, generator=g)).to(dtype)
                                       for _ in range(2))
         free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-        self.chunks = []
+        self.chunks = StepBatch()
         for start, n in requests:
             need = -(-(start + n) // PAGE)
             table, free = free[:need], free[need:]
-            self.chunks.append(ScheduledChunk([0] * n, start, table, True))
+            self.chunks.add([0] * n, start, table, True)
         t = sum(n for _, n in requests)
         self.q, self.k, self.v = (torch.randn(t, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
         self.scale = dim**-0.5
@@ -148,7 +148,7 @@ def pools(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.zeros(8, PAGE, 2, 16, device=device), torch.zeros(8, PAGE, 2, 16, device=device)) for _ in range(2)]
 
 
-def run_steps(model: torch.nn.Module, caches: list, steps: list[list[ScheduledChunk]],
+def run_steps(model: torch.nn.Module, caches: list, steps: list[StepBatch],
               backend: object = None) -> list[torch.Tensor]:
     device = caches[0][0].device
     logits = []
@@ -163,11 +163,15 @@ def run_steps(model: torch.nn.Module, caches: list, steps: list[list[ScheduledCh
 
 A, B = list(range(3, 40)), list(range(50, 61))
 TABLE_A, TABLE_B = [5, 1, 7], [2]
-PREFILL_STEPS = [
-    [ScheduledChunk(A[:20], 0, TABLE_A, False)],
-    [ScheduledChunk(A[20:], 20, TABLE_A, True), ScheduledChunk(B, 0, TABLE_B, True)],
-]
-DECODES = [ScheduledChunk([9], 37, TABLE_A, True), ScheduledChunk([4], 11, TABLE_B, True)]
+
+
+def prefill_steps() -> list[StepBatch]:
+    return [StepBatch().add(A[:20], 0, TABLE_A, False),
+            StepBatch().add(A[20:], 20, TABLE_A, True).add(B, 0, TABLE_B, True)]
+
+
+def decodes() -> StepBatch:
+    return StepBatch().add([9], 37, TABLE_A, True).add([4], 11, TABLE_B, True)
 
 
 @pytest.mark.slow
@@ -175,11 +179,11 @@ def test_model_forward_with_triton_attention() -> None:
     """A tiny Qwen3 runs a chunked prefill and a mixed step with the Triton kernels (the Triton attention
     backend, and the fused norms, q/k-norm + rope and SiLU-and-mul of TritonOps) in place of the torch
     reference (on CPU); its logits match the reference path's."""
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.models.layers.ops import TritonOps, set_ops
 
     model = tiny_qwen3()
-    steps = PREFILL_STEPS + [DECODES]
+    steps = prefill_steps() + [decodes()]
     want = run_steps(model, pools(torch.device("cpu")), steps)
     got = run_steps(set_ops(model.to(DEVICE), TritonOps()), pools(DEVICE), steps, TritonAttention())
     for g, w in zip(got, want):
@@ -189,23 +193,23 @@ def test_model_forward_with_triton_attention() -> None:
 def test_decode_graph_buffers_pad_without_side_effects() -> None:
     """The CUDA-graph decode path (captured on a GPU, eager on CPU): two decodes padded to a batch of 4 give
     the logits of a plain step, and the padding rows neither write KV (slot -1) nor read it (context 0)."""
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.runner.cuda_graphs import DecodeGraphs
 
     backend = TritonAttention()
     model = tiny_qwen3().to(DEVICE)
     caches = pools(DEVICE)
-    run_steps(model, caches, PREFILL_STEPS, backend)
-    want = run_steps(model, caches, [DECODES], backend)[0]
+    run_steps(model, caches, prefill_steps(), backend)
+    want = run_steps(model, caches, [decodes()], backend)[0]
     before = [(k.clone(), v.clone()) for k, v in caches]
     graphs = DecodeGraphs(model, caches, PAGE, max_model_len=128, max_batch=4, device=DEVICE,
                           groups=(reference_group(backend=backend),))
     if ON_GPU:
         graphs.capture()
     assert graphs.sizes == (1, 2, 4) and graphs.bucket(3) == 4
-    assert not graphs.can_run(StepBatch.of([ScheduledChunk([1, 2], 0, [0], True)]))
-    chunks = DECODES + [ScheduledChunk([4], 12, TABLE_B, True)]  # three rows, padded to four
-    got = graphs.run(StepBatch.of(chunks))[:2].cpu()
+    assert not graphs.can_run(StepBatch().add([1, 2], 0, [0], True))
+    chunks = decodes().add([4], 12, TABLE_B, True)  # three rows, padded to four
+    got = graphs.run(chunks)[:2].cpu()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # a batch of 4 may pick other GEMM kernels
     written = build_step_inputs(chunks, PAGE).attn.slot_mapping
     for (k0, v0), (k1, v1) in zip(before, caches):

@@ -28,7 +28,7 @@ from ladle.experts.expert_files import ExpertFileError
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus, child_request_ids
 from ladle.sampling_params import SamplingParams
-from ladle.runner.model_runner import PendingStep, SampledToken
+from ladle.runner.payload import PendingStep, SampledToken
 from ladle.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ladle")

@@ -27,10 +27,9 @@ import torch
 
 from ladle.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ladle.engine.stats import EngineStats
-from ladle.executor.executor import Executor, FatalStepError
+from ladle.executor.executor import Executor, FatalStepError, StateSnapshot
 from ladle.experts.expert_files import ExpertFileError
-from ladle.runner.model_runner import SampledToken
-from ladle.runner.payload import ChunkSpec
+from ladle.runner.payload import ChunkSpec, SampledToken
 
 logger = logging.getLogger("ladle")
 
@@ -63,7 +62,6 @@ class StepResult:
 class StepExecutor:
     def __init__(self, executor: Executor, min_tokens: int, device: torch.device, stats: EngineStats) -> None:
         self.executor = executor
-        self.runner = executor.runner  # rank 0's, whose state slots a retry snapshots
         self.min_tokens = min_tokens  # an OOM retry never goes below this many tokens (one block)
         self.device = device
         self.stats = stats
@@ -76,10 +74,9 @@ class StepExecutor:
 
     def run(self, sched: SchedulerOutput) -> StepResult:
         rids = [s.request.request_id for s in sched.scheduled]
-        snapshot = (self.runner.snapshot_states(rids)
-                    if self.runner.num_state_groups and not self.suspects.isdisjoint(rids) else None)
+        snapshot = None if self.suspects.isdisjoint(rids) else self.executor.snapshot_states(rids)
         while True:
-            self.runner.state_touched = False
+            self.executor.state_touched = False
             try:
                 if self.before_execute is not None:
                     self.before_execute(sched)
@@ -102,12 +99,12 @@ class StepExecutor:
                     return self._restart(sched, e)
                 return self._isolate(sched, e)
 
-    def _state_lost(self, snapshot: list | None) -> bool:
+    def _state_lost(self, snapshot: StateSnapshot | None) -> bool:
         """Whether the failed attempt may have advanced states that cannot be put back."""
-        if not self.runner.state_touched:
+        if not self.executor.state_touched:
             return False
         if snapshot is not None:
-            self.runner.restore_states(snapshot)
+            self.executor.restore_states(snapshot)
             return False
         return True
 

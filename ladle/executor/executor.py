@@ -1,6 +1,7 @@
 """The seam between the engine loop and the model: an Executor loads and plans the model, owns the runner(s)
 it is loaded into, and runs each step there. This one runs in the engine's own process; the tensor-parallel
-group (ladle.executor.tensor_parallel) runs rank 0 here and ships each step to the other ranks."""
+group (ladle.executor.tensor_parallel) runs rank 0 here and ships each step to the other ranks. The engine
+talks to the executor only, never to a runner: steps, and the state snapshots a retried step needs."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,8 @@ import torch
 
 from ladle.config.engine_args import EngineArgs
 from ladle.startup.engine_config import EngineConfig
-from ladle.runner.model_runner import ModelRunner, PendingStep, SampledToken
-from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.model_runner import ModelRunner, StateSnapshot
+from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate
 from ladle.experts.cache import ExpertCacheStats
 from ladle.startup.expert_tiers import expert_cache_of
 from ladle.startup.setup import Loaded, build_runner, load_and_plan
@@ -33,7 +34,7 @@ class Executor:
     def _adopt(self, loaded: Loaded, runner: ModelRunner) -> None:
         self.config: EngineConfig = loaded.config
         self.hf_config = loaded.hf_config
-        self.runner = runner  # rank 0's: the one that samples
+        self.runner = runner  # rank 0's: the one that samples (tests and benchmarks read its model and caches)
         self.graph_memory_bytes = 0  # device memory the CUDA graphs hold, measured at capture
 
     def capture_graphs(self) -> None:
@@ -69,6 +70,25 @@ class Executor:
     def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """A decode step whose tokens stay on the device (ModelRunner.launch); None when it does not qualify."""
         return self.runner.launch(specs, input_ids)
+
+    def snapshot_states(self, request_ids: list[str]) -> StateSnapshot | None:
+        """Copies of these requests' rows in the state layers, to put back after a failed step; None for a model
+        without state layers, which has nothing a failed step could leave changed."""
+        return self.runner.snapshot_states(request_ids) if self.runner.num_state_groups else None
+
+    def restore_states(self, snapshot: StateSnapshot) -> None:
+        """Undo whatever a failed step did to the snapshotted rows."""
+        self.runner.restore_states(snapshot)
+
+    @property
+    def state_touched(self) -> bool:
+        """Whether a forward began since this was last set False: its state layers may have advanced their
+        requests' states (never, for a model without state layers)."""
+        return self.runner.state_touched
+
+    @state_touched.setter
+    def state_touched(self, touched: bool) -> None:
+        self.runner.state_touched = touched
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call back with the reason when part of the executor dies between steps (never, in one process)."""

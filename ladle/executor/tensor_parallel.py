@@ -1,5 +1,6 @@
 """Rank 0's side of tensor parallelism: the executor that starts ranks 1..N-1 (one process each), sends them
-every step's plain payload, and watches them.
+every step's plain payload, and watches them. The runners know nothing of it: each rank's runs the same forward,
+whose collectives pair up, and rank 0's alone samples.
 
 The control path is one socket pair per rank (rank 0 pickles a step once and writes the bytes to each), the
 tensors go over torch.distributed. A rank that dies is noticed three ways: its socket reads EOF, rank 0's next
@@ -20,7 +21,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -30,8 +31,7 @@ from ladle.distributed.parallel_state import (
     COLLECTIVE_TIMEOUT, SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
 )
 from ladle.executor.executor import Executor, FatalStepError
-from ladle.runner.model_runner import ModelRunner, SampledToken
-from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate
 from ladle.startup.setup import build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
@@ -125,50 +125,6 @@ class WorkerGroup:
             conn.close()
 
 
-class DriverRunner(ModelRunner):
-    """Rank 0's runner: ships each step's payload (the StateUpdates since the last step, then the step's
-    chunks) to the other ranks before running its own shard, and samples from the gathered logits."""
-
-    def __init__(self, *args: Any, workers: WorkerGroup, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.workers = workers
-        self.updates: list[StateUpdate] = []
-        # What shipping the steps cost rank 0 (benchmarks/tensor_parallel.py reports it per step).
-        self.broadcasts, self.broadcast_bytes, self.broadcast_s = 0, 0, 0.0
-
-    def apply(self, update: StateUpdate) -> None:
-        super().apply(update)
-        if update:
-            self.updates.append(update)
-
-    def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
-        start = time.perf_counter()
-        self.broadcast_bytes += self.workers.send(RunStep(self.updates, specs))
-        self.broadcast_s += time.perf_counter() - start
-        self.broadcasts += 1
-        self.updates = []
-        return super().execute(specs)
-
-    def _logits(self, chunks: list, block_tables: tuple[torch.Tensor, ...] | None,
-                input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        # Any failure inside the sharded forward leaves the ranks at different collectives: no retry is sound.
-        try:
-            return super()._logits(chunks, block_tables, input_ids)
-        except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
-            raise self._out_of_step(e) from e
-
-    def _forward_all(self, *args: Any) -> Any:
-        # The path of steps with prompt logprobs (and MTP drafts): its head slices are collectives too.
-        try:
-            return super()._forward_all(*args)
-        except Exception as e:  # noqa: BLE001 -- whatever it was, the group is out of step
-            raise self._out_of_step(e) from e
-
-    def _out_of_step(self, e: Exception) -> TensorParallelError:
-        why = self.workers.failure or f"{type(e).__name__}: {e}"
-        return TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})")
-
-
 def _release_group(workers: WorkerGroup) -> None:
     workers.close()
     close_tensor_parallel()
@@ -192,7 +148,35 @@ class TensorParallelExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._adopt(loaded, build_runner(loaded.model, loaded.config, DriverRunner, workers=self.workers))
+        self._adopt(loaded, build_runner(loaded.model, loaded.config))
+        self.updates: list[StateUpdate] = []  # applied here since the last step, shipped with the next
+        # What shipping the steps cost rank 0 (benchmarks/tensor_parallel.py reports it per step).
+        self.broadcasts, self.broadcast_bytes, self.broadcast_s = 0, 0, 0.0
+
+    def apply(self, update: StateUpdate) -> None:
+        super().apply(update)
+        if update:
+            self.updates.append(update)
+
+    def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
+        """Ship the step (the StateUpdates since the last one, then its chunks) to the other ranks, run rank 0's
+        shard of the forward beside theirs, and sample from the gathered logits."""
+        start = time.perf_counter()
+        self.broadcast_bytes += self.workers.send(RunStep(self.updates, specs))
+        self.broadcast_s += time.perf_counter() - start
+        self.broadcasts += 1
+        self.updates = []
+        try:
+            step = self.runner.forward(specs)
+        except Exception as e:  # noqa: BLE001 -- whatever it was, the ranks are left at different collectives
+            why = self.workers.failure or f"{type(e).__name__}: {e}"
+            raise TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})") from e
+        # Sampling has no collectives: a failure there leaves the group in step, and the step may be retried.
+        return self.runner.sample(specs, step)
+
+    def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
+        """None: async scheduling is off under tensor parallelism, so every step ships through execute()."""
+        return None
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         if self.workers.failure is not None:

@@ -46,7 +46,7 @@ def serve_steps(conn: Connection, runner: ModelRunner) -> None:
             return
         for update in message.updates:
             runner.apply(update)
-        runner.forward_shard(message.specs)
+        runner.forward(message.specs)  # rank 0 samples from the logits this rank's collectives gather
 
 
 def main(fd: int, parent_pid: int) -> None:

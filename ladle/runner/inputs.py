@@ -1,5 +1,5 @@
 """Per-step model inputs: a step's layout (ladle.runner.step_layout) put into StepBuffers and described to the
-attention backends, one AttentionMetadata per KV cache group (slots and block tables differ; positions and
+attention backends, one BackendMetadata per KV cache group (slots and block tables differ; positions and
 lengths are shared) and one StateMetadata for the state groups. Eager steps and both CUDA-graph classes come
 through fill_inputs; the graphs only pad the layout first and name static buffers.
 """
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.attention.backend_base import CommonAttentionMetadata
-from ladle.attention.backends import AttentionGroup, reference_group
-from ladle.attention.metadata import AttentionMetadata, StateMetadata
-from ladle.runner.step_batch import ScheduledChunk, StepBatch
+from ladle.attention.backend import BackendMetadata
+from ladle.attention.groups import AttentionGroup, reference_group
+from ladle.attention.metadata import CommonAttentionMetadata, StateMetadata
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
 from ladle.runner.step_layout import StepLayout, lay_out
 
@@ -21,12 +21,12 @@ from ladle.runner.step_layout import StepLayout, lay_out
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn_groups: tuple[AttentionMetadata | StateMetadata, ...]  # one per paged group, then per state group
+    attn_groups: tuple[BackendMetadata | StateMetadata, ...]  # one per paged group, then per state group
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states whose next token is sampled
     sampled_rows: tuple[int, ...]  # index into the chunk list of each sampled row, in logits order
 
     @property
-    def attn(self) -> AttentionMetadata:
+    def attn(self) -> BackendMetadata:
         """The metadata of a model with one KV cache group."""
         return self.attn_groups[0]
 
@@ -36,7 +36,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-    batch: StepBatch | list[ScheduledChunk], block_size: int, device: torch.device | str = "cpu",
+    batch: StepBatch, block_size: int, device: torch.device | str = "cpu",
     block_tables: tuple[torch.Tensor, ...] | None = None, groups: tuple[AttentionGroup, ...] | None = None,
     num_state_groups: int = 0, buffers: StepBuffers | None = None,
 ) -> StepInputs:
@@ -46,8 +46,6 @@ def build_step_inputs(
     None); a compressed group's entries are written by the model, so it gets no slot mapping.
     num_state_groups: the model's state groups, which all get the same StateMetadata (a request has one slot
     index in every state layer). buffers: where the inputs go on the device (a fresh set if None)."""
-    if not isinstance(batch, StepBatch):
-        batch = StepBatch.of(batch)
     buffers = buffers or StepBuffers(torch.device(device))
     groups = groups or (reference_group(),)
     n, num_tokens = len(batch), len(batch.token_ids)
@@ -70,7 +68,7 @@ def fill_inputs(layout: StepLayout, buffers: StepBuffers, block_size: int, group
         buffers.put(prefix + "cu_seqlens", layout.cu, torch.int32),
         buffers.put(prefix + "context_lens", layout.context, torch.int32), layout.query_lens,
         tuple(layout.context if isinstance(layout.context, list) else layout.context.tolist()), block_size)
-    metadata: list[AttentionMetadata | StateMetadata] = [
+    metadata: list[BackendMetadata | StateMetadata] = [
         g.backend.build_metadata(common, buffers.put(f"{prefix}slots{i}", layout.slots[i], torch.int64),
                                  buffers.put(f"{prefix}tables{i}", layout.tables[i], torch.int32), g.window)
         for i, g in enumerate(groups)]

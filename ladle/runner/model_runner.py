@@ -5,12 +5,14 @@ the plain StateUpdate the engine sends each step (ladle.runner.payload); it neve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ladle.attention.backends import AttentionGroup, reference_group, select_backend
+from ladle.attention.groups import AttentionGroup, reference_group
+from ladle.attention.selector import select_backend
 from ladle.kernels.cpu_kernels import CpuKernels, KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import StateGroup, paged_group
@@ -20,31 +22,31 @@ from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.mtp_drafter import MtpDrafter
-from ladle.runner.step_batch import ScheduledChunk, StepBatch
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.mixed_graphs import MixedGraphs
-from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.payload import FAILED, PROMPT_ONLY, ChunkSpec, PendingStep, SampledToken, StateUpdate
 from ladle.runner.prompt_logprobs import PromptChunk, compute_prompt_logprobs, prompt_chunks
 from ladle.runner.runner_requests import RunnerRequests
-from ladle.runner.sampler import FAILED, Sampler, SamplerOutput
+from ladle.runner.sampler import Sampler, SamplerOutput
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
 from ladle.runner.spec_verify import accept, count_drafts, roll_back_states, row_owners, sampled_positions
 from ladle.runner.step_buffers import StepBuffers
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, Logprob] | None
-    # Speculative decoding: the row's accepted drafts, with their logprobs, which come before token_id.
-    accepted: tuple[tuple[int, dict[int, Logprob] | None], ...] = ()
-    drafts: tuple[int, ...] = ()  # the model's own (MTP) drafts of the tokens after token_id
-    # SamplingParams.prompt_logprobs: (the first prompt position covered, an entry per position) from this
-    # step's chunk. A chunk that samples nothing carries them with token_id PROMPT_ONLY.
-    prompt_logprobs: tuple[int, list[dict[int, Logprob]]] | None = None
+class StepForward(NamedTuple):
+    """What a step's forward leaves for its sampling."""
+
+    batch: StepBatch
+    logits: torch.Tensor | None  # the sampled rows' (None: no row samples)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]]
+    # The hidden states and the inputs they came from: the drafter's (None unless the step ran _forward_all).
+    hidden: torch.Tensor | None = None
+    inputs: StepInputs | None = None
 
 
-PROMPT_ONLY = -2  # the token id of a result that only carries a mid-prompt chunk's prompt logprobs
+# Saved rows of the state tensors: (tensor, the slots, their rows as they were).
+StateSnapshot = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _cpu_kernels() -> CpuKernels | None:
@@ -53,33 +55,6 @@ def _cpu_kernels() -> CpuKernels | None:
         return load_cpu_kernels()
     except KernelUnavailable:
         return None
-
-
-class PendingStep:
-    """A launched step whose sampled tokens are still on the device.
-
-    Their copy to the host is queued at once, before anything launched later, and result() waits on an event
-    recorded right after it: a plain .tolist() would queue the copy behind the step launched ahead and wait
-    for that step too, which is exactly the overlap async scheduling is for."""
-
-    def __init__(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
-        self.request_ids = request_ids
-        # [len(request_ids)] on the device, in request order: the next step's input. A FAILED row's request
-        # ends when this step is read, so its token in the step ahead is void; 0 keeps the embedding in range.
-        self.token_ids = token_ids.clamp_min(0)
-        self._event: torch.cuda.Event | None = None
-        self._host = token_ids
-        if token_ids.is_cuda:
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def result(self) -> dict[str, SampledToken]:
-        """Wait for this step's tokens (not for steps launched after it) and read them."""
-        if self._event is not None:
-            self._event.synchronize()
-        return {rid: SampledToken(t, None) for rid, t in zip(self.request_ids, self._host.tolist())}
 
 
 class ModelRunner:
@@ -153,30 +128,44 @@ class ModelRunner:
             if new.restore is not None:
                 self.checkpoints.restore(new.restore)
 
-    def snapshot_states(self, request_ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def snapshot_states(self, request_ids: list[str]) -> StateSnapshot:
         """Copies of these requests' state slots in every state tensor: (tensor, slots, saved rows)."""
         slots = torch.tensor([self.requests[r].state_slot for r in request_ids], device=self.device)
         return [(t, slots, t[slots].clone()) for layer in self.state_layers for t in self.kv_caches[layer]]
 
     @staticmethod
-    def restore_states(snapshot: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def restore_states(snapshot: StateSnapshot) -> None:
         """Undo whatever a failed step did to the snapshotted slots."""
         for tensor, slots, saved in snapshot:
             tensor[slots] = saved
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
-        sampled = [s for s in specs if s.sample]
+        """Run the step: its forward, then its sampling."""
+        return self.sample(specs, self.forward(specs))
+
+    @torch.inference_mode()
+    def forward(self, specs: list[ChunkSpec]) -> StepForward:
+        """The step's forward: every collective of the step is here, run in the same order on every
+        tensor-parallel rank (a rank other than 0 runs only this; rank 0 gets the gathered logits). The states
+        the step's chunks checkpoint are saved after it."""
         batch, tables = self._step_batch(specs), self.requests.tables(specs, self.block_size)
         prompt = prompt_chunks(self.requests, specs, self.penalties.vocab)
-        prompt_lps = {}
         if self.drafter is None and not prompt:
-            out = self.run(batch, self._sampling_metadata(sampled), tables)
+            step = StepForward(batch, self._logits(batch, tables), {})
         else:
-            with torch.inference_mode():
-                logits, prompt_lps, hidden, inputs = self._forward_all(batch, tables, prompt)
-                out = SamplerOutput([], []) if logits is None else \
-                    self.sampler(logits, self._sampling_metadata(sampled))
+            step = StepForward(batch, *self._forward_all(batch, tables, prompt))
         self.checkpoints.save_after(specs)
+        return step
+
+    def sample(self, specs: list[ChunkSpec], step: StepForward) -> dict[str, SampledToken]:
+        """The step's tokens from its forward: sampled, drafts verified (the states of rejected ones rolled
+        back), the drafter's next drafts made, prompt logprobs attached. No collectives: rank 0 alone."""
+        sampled = [s for s in specs if s.sample]
+        out = SamplerOutput([], [])
+        if step.logits is not None:
+            meta = self._sampling_metadata(sampled)
+            with torch.inference_mode():
+                out = self.sampler(step.logits, meta)
         if any(s.draft_token_ids for s in sampled):
             verified = accept(sampled, out.token_ids, out.logprobs)
             if self.num_state_groups:
@@ -187,10 +176,12 @@ class ModelRunner:
         else:
             result = {s.request_id: SampledToken(tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
         if self.drafter is not None:
+            assert step.hidden is not None and step.inputs is not None  # a drafter's step runs _forward_all
             kept = {rid: (len(t.accepted), t.token_id) for rid, t in result.items() if t.token_id != FAILED}
-            for rid, d in self.drafter.propose(self.kv_caches, specs, batch, inputs, hidden, kept).items():
+            for rid, d in self.drafter.propose(self.kv_caches, specs, step.batch, step.inputs, step.hidden,
+                                               kept).items():
                 result[rid] = replace(result[rid], drafts=d)
-        for rid, lps in prompt_lps.items():
+        for rid, lps in step.prompt_logprobs.items():
             result[rid] = replace(result.get(rid, SampledToken(PROMPT_ONLY, None)), prompt_logprobs=lps)
         return result
 
@@ -203,18 +194,6 @@ class ModelRunner:
         hidden, inputs = self._hidden(batch, tables)
         lps = compute_prompt_logprobs(self.model, hidden, prompt, self.max_num_seqs) if prompt else {}
         return self._head(hidden, inputs), lps, hidden, inputs
-
-    @torch.inference_mode()
-    def forward_shard(self, specs: list[ChunkSpec]) -> None:
-        """A tensor-parallel rank other than 0: its part of the step's forward; rank 0 gets the logits (and
-        the prompt logprobs, whose head slices this rank's collectives join in the same order)."""
-        batch, tables = self._step_batch(specs), self.requests.tables(specs, self.block_size)
-        prompt = prompt_chunks(self.requests, specs, self.penalties.vocab)
-        if not prompt:
-            self._logits(batch, tables)
-        else:
-            self._forward_all(batch, tables, prompt)
-        self.checkpoints.save_after(specs)
 
     def _step_batch(self, specs: list[ChunkSpec]) -> StepBatch:
         """The step's columns; with drafts on a model with state layers, the rows each row's states go to."""
@@ -273,13 +252,10 @@ class ModelRunner:
         return meta
 
     @torch.inference_mode()
-    def run(
-        self, step: StepBatch | list[ScheduledChunk], meta: SamplingMetadata,
-        block_tables: tuple[torch.Tensor, ...] | None = None,
-    ) -> SamplerOutput:
-        """The forward pass, logits and sampling of one step; meta holds one entry per sampling chunk.
-        block_tables: the step's [chunks, blocks] host table per group when the caller keeps them."""
-        logits = self._logits(step if isinstance(step, StepBatch) else StepBatch.of(step), block_tables)
+    def run(self, step: StepBatch, meta: SamplingMetadata) -> SamplerOutput:
+        """The forward pass, logits and sampling of a step of no requests the runner holds (profiling's, whose
+        tables are in the batch); meta holds one entry per sampling row."""
+        logits = self._logits(step, None)
         return SamplerOutput([], []) if logits is None else self.sampler(logits, meta)
 
     def _logits(

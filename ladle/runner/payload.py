@@ -1,6 +1,9 @@
-"""What the engine core sends the model runner each step: plain, picklable data (vLLM's SchedulerOutput with
-NewRequestData and CachedRequestData). Never live Request objects or the KV manager's tables, so a worker in
-another process (tensor parallelism) can be fed the same way; the runner keeps its own copy of each request.
+"""The engine's contract with the runner, the one runner module the engine imports.
+
+What the engine core sends each step is plain, picklable data (vLLM's SchedulerOutput with NewRequestData and
+CachedRequestData): never live Request objects or the KV manager's tables, so a rank in another process (tensor
+parallelism) is fed the same bytes; the runner keeps its own copy of each request. What comes back is a
+SampledToken per sampled request, or a PendingStep whose tokens are still on the device.
 """
 from __future__ import annotations
 
@@ -8,9 +11,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ladle.kv_cache.state_checkpoints import CheckpointCopy
+from ladle.outputs import Logprob
 from ladle.sampling_params import SamplingParams
+
+FAILED = -1  # the token id of a row that could not be sampled (the engine ends its request)
+PROMPT_ONLY = -2  # the token id of a result that only carries a mid-prompt chunk's prompt logprobs
 
 
 @dataclass(frozen=True)
@@ -66,3 +74,42 @@ class StateUpdate:
 
     def __bool__(self) -> bool:
         return bool(self.new_requests or self.diffs or self.removed)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    # Speculative decoding: the row's accepted drafts, with their logprobs, which come before token_id.
+    accepted: tuple[tuple[int, dict[int, Logprob] | None], ...] = ()
+    drafts: tuple[int, ...] = ()  # the model's own (MTP) drafts of the tokens after token_id
+    # SamplingParams.prompt_logprobs: (the first prompt position covered, an entry per position) from this
+    # step's chunk. A chunk that samples nothing carries them with token_id PROMPT_ONLY.
+    prompt_logprobs: tuple[int, list[dict[int, Logprob]]] | None = None
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are still on the device.
+
+    Their copy to the host is queued at once, before anything launched later, and result() waits on an event
+    recorded right after it: a plain .tolist() would queue the copy behind the step launched ahead and wait
+    for that step too, which is exactly the overlap async scheduling is for."""
+
+    def __init__(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+        self.request_ids = request_ids
+        # [len(request_ids)] on the device, in request order: the next step's input. A FAILED row's request
+        # ends when this step is read, so its token in the step ahead is void; 0 keeps the embedding in range.
+        self.token_ids = token_ids.clamp_min(0)
+        self._event: torch.cuda.Event | None = None
+        self._host = token_ids
+        if token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> dict[str, SampledToken]:
+        """Wait for this step's tokens (not for steps launched after it) and read them."""
+        if self._event is not None:
+            self._event.synchronize()
+        return {rid: SampledToken(t, None) for rid, t in zip(self.request_ids, self._host.tolist())}

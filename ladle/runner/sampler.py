@@ -20,10 +20,10 @@ import torch
 
 from ladle.kernels.cpu_kernels import CpuKernels
 from ladle.outputs import Logprob
+from ladle.runner.payload import FAILED
 from ladle.runner.sampling_batch import FilterSplit, Filters, SamplingBatch, SamplingMetadata
 
 _NEG_INF = float("-inf")
-FAILED = -1  # the token id of a row that could not be sampled
 _F32_MAX = torch.finfo(torch.float32).max
 
 

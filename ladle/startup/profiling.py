@@ -11,13 +11,13 @@ from typing import Callable
 
 import torch
 
-from ladle.attention.backends import attention_groups
+from ladle.attention.groups import attention_groups
 from ladle.startup.memory import measure_peak
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.interface import RoutedExperts
 from ladle.sampling_params import SamplingParams
 from ladle.attention.torch_ref import CONTEXT_TILE
-from ladle.runner.step_batch import ScheduledChunk
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.kv_allocation import allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
@@ -158,11 +158,13 @@ def _measure(
 
     def measure(kind: str, n: int, ctx: int) -> ProfilePoint:
         if kind == "prefill":
-            chunks, meta = [ScheduledChunk([0] * n, ctx - n, blocks, True, 0)], _meta(1, ctx, vocab_size, device)
+            step, meta = StepBatch().add([0] * n, ctx - n, blocks, True, 0), _meta(1, ctx, vocab_size, device)
         else:
-            chunks = [ScheduledChunk([0], ctx - 1, blocks, True, i) for i in range(n)]
+            step = StepBatch()
+            for i in range(n):
+                step.add([0], ctx - 1, blocks, True, i)
             meta = _meta(n, ctx, vocab_size, device)
-        return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(chunks, meta()), device))
+        return ProfilePoint(kind, n, ctx, measure_peak(lambda: runner.run(step, meta()), device))
 
     return [measure(kind, n, ctx) for kind, n, ctx in profile_shapes(token_counts, max_context, decode_rows, tile)]
 

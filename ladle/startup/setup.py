@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,7 +23,8 @@ from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
 from ladle.startup.partial_prefill import resolve_partial_prefills
 from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
 from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
-from ladle.attention.backends import attention_groups, resolve_backend, select_backend
+from ladle.attention.groups import attention_groups
+from ladle.attention.selector import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.gguf.path import gguf_file_of
@@ -113,8 +113,7 @@ def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int
     return 0, False
 
 
-def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner,
-                 **extra: Any) -> ModelRunner:
+def build_runner(model: torch.nn.Module, cfg: EngineConfig) -> ModelRunner:
     """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
     layout = cfg.kv_layout
     # A model with state layers keeps one state slot per running request, then its checkpoints (the plan
@@ -129,10 +128,9 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig, runner_cls: type[Mod
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
-    return runner_cls(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
-                      cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
-                      draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative),
-                      **extra)
+    return ModelRunner(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
+                       cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
+                       draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative))
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
