@@ -90,7 +90,7 @@ def test_runner_decode_graph_path_gives_identical_tokens(tiny_qwen3_dir: str) ->
     (slot -1, context 0) are the Triton kernels' contract, so attention and the fused ops run here in
     Triton's interpreter: everything the CUDA engine runs except the capture itself."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.models.layers.ops import TritonOps, set_ops
 
     # The interpreter is slow (each kernel runs program by program in Python): few steps, and prompts of at most
@@ -133,7 +133,7 @@ def test_runner_mixed_graph_path_gives_identical_tokens(tiny_qwen3_dir: str, tmp
     padding one more request that writes no KV, and the tokens equal the plain path's; with a sliding window
     (a Mistral) the window reaches the graph's attention."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.demo import build_checkpoint
     from ladle.models.layers.ops import TritonOps, set_ops
 
@@ -177,7 +177,7 @@ def test_both_graph_classes_serve_a_model_with_two_kv_groups(tmp_path: Path) -> 
     steps go through DecodeGraphs and MixedGraphs (eager replay on CPU, Triton's interpreter as above) with
     each group's own slots, table and window, and the tokens equal the plain path's."""
     pytest.importorskip("triton", reason="triton is not installed (the 'test' extra installs it)")
-    from ladle.attention.backends import TritonAttention
+    from ladle.attention.triton_backend import TritonAttention
     from ladle.demo import build_checkpoint
     from ladle.models.layers.ops import TritonOps, set_ops
 
