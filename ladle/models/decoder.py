@@ -9,11 +9,13 @@ from torch import nn
 
 from ladle.attention.metadata import AttentionMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
+from ladle.experts.cache import ExpertCache
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.models.layers.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
 from ladle.models.layers.decoder_layer import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
+from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
@@ -96,6 +98,16 @@ class DecoderForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = True  # shard() covers every layer (a subclass with others says False)
     # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
     cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
+    supports_mtp: ClassVar[bool] = False  # a subclass with an MTP layer says True and meets SupportsMtp
+
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
+        return cache if isinstance(cache, ExpertCache) else None
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return name  # HF's names are the parameters' own
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
@@ -269,9 +281,8 @@ def tiered_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """The host tensors of experts tiered in host memory, by the parameter names they stand for."""
     table: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
-        targets = getattr(module, "tiered_targets", None)
-        if callable(targets) and prefix:
-            table.update(targets(prefix))
+        if isinstance(module, FusedMoE) and prefix:
+            table.update(module.tiered_targets(prefix))
     return table
 
 

@@ -1,6 +1,7 @@
 """What the loader, the planner and the runner call on a model: the CausalLM protocol every registered class
 meets (tests/test_model_interface.py checks each one), and the base class of the layers that route tokens to
-experts. Optional behaviour is a member with a no-op default, never an attribute probed with hasattr."""
+experts. Optional behaviour is a member with a no-op default, or a declared flag (supports_mtp) naming the
+protocol (SupportsMtp) the class also meets; never an attribute probed with hasattr or getattr."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Protocol
@@ -10,7 +11,9 @@ from torch import nn
 if TYPE_CHECKING:
     import torch
 
+    from ladle.attention.backend import BackendMetadata
     from ladle.distributed.parallel_state import TensorParallel
+    from ladle.experts.cache import ExpertCache
     from ladle.kv_cache.specs import CacheSpec
 
 
@@ -19,6 +22,18 @@ class CausalLM(Protocol):
     tensor_parallel: ClassVar[bool]
     # (value, reason) for the settings table: which kernels lay_out_for_cpu gave it; None: no row.
     cpu_kernels: tuple[str, str] | None
+    # Whether the class meets SupportsMtp (its checkpoints' multi-token-prediction layer can draft for
+    # speculative decoding's `mtp` method); False: the loader refuses that method.
+    supports_mtp: ClassVar[bool]
+
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        """The device slots the tiered routed experts share (ladle.models.loading.expert_tiering registers it
+        as the submodule `expert_cache` at load, so its buffers count as weights); None: nothing is tiered."""
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name as this model's parameters have it (the model's own renames on load)."""
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """What each cache layer keeps per request (ladle.kv_cache.specs)."""
@@ -46,6 +61,23 @@ class CausalLM(Protocol):
     def parameters(self) -> Iterator[nn.Parameter]: ...
     def buffers(self) -> Iterator[torch.Tensor]: ...
     def modules(self) -> Iterator[nn.Module]: ...
+
+
+class SupportsMtp(CausalLM, Protocol):
+    """A model whose class says supports_mtp: its multi-token-prediction layer drafts for speculative decoding's
+    `mtp` method (ladle.runner.mtp_drafter)."""
+
+    def enable_mtp(self) -> None:
+        """Build the MTP layer (on meta, before loading): its weights then load with the model's."""
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata,
+                    write_only: bool = False) -> torch.Tensor | None:
+        """The MTP layer at these positions (next_ids: the token after each; hidden: the state there) -> its
+        output; write_only: only its cache written, for later positions to read (None)."""
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The MTP layer's output -> logits, through the model's head."""
 
 
 class RoutedExperts(nn.Module):

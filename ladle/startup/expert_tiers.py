@@ -10,9 +10,12 @@ from torch import nn
 from ladle.config.engine_args import EngineArgs
 from ladle.config.provenance import Provenance
 from ladle.config.sizes import format_bytes
+from ladle.experts.backing import HostBacking
 from ladle.experts.cache import ExpertCache
 from ladle.experts.calibrate import calibrate_hybrid
 from ladle.experts.tiering import ExpertInventory, ExpertTiering, resolve_tiering
+from ladle.models.interface import CausalLM
+from ladle.models.layers.moe import FusedMoE
 
 
 def tiering_resolver(args: EngineArgs, prov: Provenance, budget: int,
@@ -26,18 +29,17 @@ def tiering_resolver(args: EngineArgs, prov: Provenance, budget: int,
     return resolve
 
 
-def expert_cache_of(model: nn.Module) -> ExpertCache | None:
-    cache = getattr(model, "expert_cache", None)
-    return cache if isinstance(cache, ExpertCache) else None
+def expert_cache_of(model: CausalLM) -> ExpertCache | None:
+    return model.expert_cache
 
 
 def tiered_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes in host memory, bytes in the checkpoint files) of the tiered experts."""
     host = files = 0
     for module in model.modules():
-        tiered = getattr(module, "tiered", None)
+        tiered = module.tiered if isinstance(module, FusedMoE) else None
         if tiered is not None:
-            if hasattr(tiered.backing, "tensors"):
+            if isinstance(tiered.backing, HostBacking):
                 host += tiered.backing.nbytes
             else:
                 files += tiered.backing.nbytes
@@ -62,7 +64,7 @@ def tiered_line(model: nn.Module, device: torch.device) -> tuple[int, str]:
 
 def calibrate_tiers(model: nn.Module, prov: Provenance, device: torch.device, dtype: torch.dtype) -> None:
     """moe_strategy hybrid: measure where a miss is cheaper, once, and show the threshold in the settings."""
-    layers = [m for m in model.modules() if getattr(m, "tiered", None) is not None]
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.tiered is not None]
     if not layers or layers[0].tiered.policy.strategy != "hybrid":
         return
     first = layers[0]

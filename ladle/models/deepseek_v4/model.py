@@ -21,6 +21,7 @@ from torch import nn
 from ladle.attention.metadata import AttentionMetadata, StateMetadata
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
+from ladle.experts.cache import ExpertCache
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
 from ladle.models.layers.cpu_linear import pack
 from ladle.models.deepseek_v4.attention import LAYER_TYPES, CompressedCaches, Dsv4Rope
@@ -28,6 +29,7 @@ from ladle.models.deepseek_v4.block import Block, hyper_head
 from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
 from ladle.models.deepseek_v4.mtp import Dsv4MultiTokenPredictor, check_mtp_layers
 from ladle.models.decoder import copy_checkpoint
+from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
 
 _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
@@ -37,6 +39,12 @@ _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weigh
 class DeepseekV4ForCausalLM(nn.Module):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
     cpu_kernels: tuple[str, str] | None = None  # torch's kernels, but for quantized layers (lay_out_for_cpu)
+    supports_mtp: ClassVar[bool] = True
+
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
+        return cache if isinstance(cache, ExpertCache) else None
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -154,7 +162,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def lay_out_for_cpu(self) -> None:
         """Its unquantized weights stay as torch holds them; quantized layers (the release's FP8 linears and
         MXFP4 experts) take ladle's C kernels for decode rows, where they build."""
-        quantized = [m for m in self.modules() if isinstance(m, Fp8Linear) or getattr(m, "weight_format", None)]
+        quantized = [m for m in self.modules()
+                     if isinstance(m, Fp8Linear) or (isinstance(m, FusedMoE) and m.weight_format)]
         if not quantized:
             return
         try:

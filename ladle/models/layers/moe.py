@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ladle.experts.backing import HostBacking
 from ladle.experts.tiered import TieredExperts
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
@@ -48,6 +49,7 @@ class FusedMoE(OpsModule):
         # they are, with scales of (rows, columns) each.
         self.weight_format: str | None = None
         self.scale_block = (1, 1)
+        self.keep_dtypes: tuple[str, ...] = ()  # the stacks the loader's cast leaves alone (quantized ones)
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
         self.tiered: TieredExperts | None = None  # set by ladle.models.loading.expert_tiering: the experts live off the device
@@ -117,7 +119,8 @@ class FusedMoE(OpsModule):
 
     def tiered_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Tiered in host memory: the host tensors the loader fills, by the parameter names they replace."""
-        tensors = getattr(self.tiered.backing, "tensors", {}) if self.tiered is not None else {}
+        backing = self.tiered.backing if self.tiered is not None else None
+        tensors = backing.tensors if isinstance(backing, HostBacking) else {}
         return {f"{prefix}.{name}": t for name, t in tensors.items()}
 
     def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:

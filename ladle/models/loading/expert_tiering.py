@@ -32,7 +32,7 @@ def expert_layers(model: nn.Module) -> list[tuple[str, FusedMoE]]:
 
 
 def _expert_shapes(module: FusedMoE, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    keep = getattr(module, "keep_dtypes", ())
+    keep = module.keep_dtypes
     return {n: (tuple(getattr(module, n).shape[1:]), _held_dtype(getattr(module, n), n in keep, dtype))
             for n in module.expert_names()}
 
@@ -86,7 +86,7 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
         m.tiered = TieredExperts(layer, backing, cache, policy, m.num_experts)
     for (_, m), (_, following) in zip(layers, layers[1:]):
         m.tiered.next = following.tiered
-    model.expert_cache = cache
+    model.expert_cache = cache  # nn.Module registers it as a submodule, which the model's expert_cache reads
     return skip
 
 
@@ -96,7 +96,7 @@ def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
     of which expert's slot tensor it fills (from the view the layer's checkpoint_views gives, applied to the
     meta stack)."""
     views = checkpoint_views(model)
-    name_of = getattr(model, "checkpoint_name", lambda name: name)
+    name_of = model.checkpoint_name
     parts: dict[str, dict[int, list[FilePart]]] = {}
     skip: set[str] = set()
     for raw, loc in tensor_locations(files).items():
@@ -133,5 +133,6 @@ def _complete(prefix: str, parts: dict[int, list[FilePart]], num_experts: int,
 def fill_dummy_experts(model: nn.Module, generator: torch.Generator) -> None:
     """load_format dummy: host-tiered experts drawn as init_dummy_weights draws parameters."""
     for _, m in expert_layers(model):
-        for t in getattr(m.tiered.backing, "tensors", {}).values():
-            t.normal_(0.0, 0.02, generator=generator)
+        if m.tiered is not None and isinstance(m.tiered.backing, HostBacking):
+            for t in m.tiered.backing.tensors.values():
+                t.normal_(0.0, 0.02, generator=generator)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_exp
 from ladle.models.loading.huge_pages import move_weights_to_huge_pages
 from ladle.models.layers.cpu_ops import CpuOps
 from ladle.models.layers.decoder_layer import RotaryEmbedding
+from ladle.models.interface import CausalLM, SupportsMtp
 from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.registry import model_class_for, text_config_of
 from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
@@ -107,14 +108,13 @@ def load_config(model_dir: str) -> Any:
     return text_config_of(config)
 
 
-def _enable_mtp(model: nn.Module, world_size: int) -> None:
-    enable = getattr(model, "enable_mtp", None)
-    if enable is None:
+def _enable_mtp(model: CausalLM, world_size: int) -> None:
+    if not model.supports_mtp:
         raise ValueError(f"speculative_config method 'mtp' runs the MTP layer of Qwen3.5 and DeepSeek-V4; "
                          f"{type(model).__name__} has none ladle can run; use method 'ngram'")
     if world_size > 1:
         raise ValueError("speculative_config method 'mtp' cannot be used with tensor_parallel_size > 1 yet")
-    enable()
+    cast(SupportsMtp, model).enable_mtp()
 
 
 def load_model(
@@ -155,8 +155,7 @@ def load_model(
         if quant is not None:
             raw = checkpoint_dtypes(files)
             renames = scale_names(raw)
-            name_of = getattr(model, "checkpoint_name", lambda name: name)  # the model's own renames on load
-            dtypes = {name_of(renames.get(k, k)): v for k, v in raw.items()}
+            dtypes = {model.checkpoint_name(renames.get(k, k)): v for k, v in raw.items()}
             if use_fp8_linears(model, quant, dtypes) == 0:
                 raise ValueError(f"{model_dir}: quantization_config says fp8, but no linear layer's weight in the "
                                  "checkpoint is FP8 e4m3")

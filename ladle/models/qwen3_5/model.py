@@ -156,6 +156,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     checkpoints (the registry hands it their text_config). With enable_mtp(), its MTP layer drafts too."""
 
     tensor_parallel = False  # its Gated DeltaNet and gated attention layers have no sharded form yet
+    supports_mtp = True
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
