@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata
+from ladle.attention.backend import BackendMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.experts.cache import ExpertCache
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
@@ -75,7 +75,7 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionMetadata | tuple[AttentionMetadata, ...],
+        attn: BackendMetadata | tuple[BackendMetadata, ...],
     ) -> torch.Tensor:
         """attn: the step's metadata per KV cache group (or one, for a model with one group)."""
         if len(kv_caches) != len(self.layers):
@@ -147,7 +147,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionMetadata | tuple[AttentionMetadata, ...],
+        attn: BackendMetadata | tuple[BackendMetadata, ...],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn)

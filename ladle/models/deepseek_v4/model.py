@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.attention.backend import BackendMetadata
+from ladle.attention.metadata import StateMetadata
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.experts.cache import ExpertCache
@@ -81,7 +82,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = Dsv4MultiTokenPredictor(self.config)
 
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                    kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata,
                     write_only: bool = False) -> torch.Tensor | None:
         """The MTP layer at these positions: next_ids [T] the token after each, hidden [T, n * H] the streams
         there (the model's, or the MTP layer's own when it drafts on) -> its output streams; write_only: only its
@@ -119,7 +120,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return specs + ([window] if self.mtp is not None else [])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
-                meta: tuple[AttentionMetadata | StateMetadata, ...]) -> torch.Tensor:
+                meta: tuple[BackendMetadata | StateMetadata, ...]) -> torch.Tensor:
         """-> the hyper-connected streams, flattened [T, n * H]: compute_logits collapses the rows it needs, and
         the MTP layer reads them whole."""
         config = self.config
@@ -127,13 +128,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = x.unsqueeze(1).expand(-1, config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             attn = meta[self.layer_group[i]]
-            assert isinstance(attn, AttentionMetadata)
+            assert isinstance(attn, BackendMetadata)
             rope = self.ropes["main" if config.layer_types[i] == "sliding_attention" else "compress"]
             streams = layer(streams, input_ids, positions, rope, caches[i], attn, self._compressed(i, caches, meta))
         return streams.flatten(1)
 
     def _compressed(self, layer: int, caches: list[tuple[torch.Tensor, ...]],
-                    meta: tuple[AttentionMetadata | StateMetadata, ...]) -> CompressedCaches | None:
+                    meta: tuple[BackendMetadata | StateMetadata, ...]) -> CompressedCaches | None:
         if layer not in self.entries_layer:
             return None
         entries, state = self.entries_layer[layer], self.state_layer[layer]

@@ -11,7 +11,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ladle.attention.metadata import AttentionMetadata, StateMetadata
+from ladle.attention.backend import BackendMetadata
+from ladle.attention.metadata import StateMetadata
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.models.layers.cpu_linear import pack_linears, use_cpu_linears
@@ -57,7 +58,7 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_gate, k, v = self._qkv(x, cos, sin)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -68,7 +69,7 @@ class GatedAttention(nn.Module):
 
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
-                 attn: AttentionMetadata) -> None:
+                 attn: BackendMetadata) -> None:
         """Only these positions' K/V into the cache: what a later query reads of them."""
         _, k, v = self._qkv(x, cos, sin)
         attn.backend.write_kv(k, v, kv_cache[0], kv_cache[1], attn)
@@ -99,13 +100,13 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata | StateMetadata) -> torch.Tensor:
+                meta: BackendMetadata | StateMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             h = self.linear_attn(h, cache, meta)
         else:
-            assert self.self_attn is not None and isinstance(meta, AttentionMetadata)
+            assert self.self_attn is not None and isinstance(meta, BackendMetadata)
             h = self.self_attn(h, cos, sin, cache, meta)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -125,7 +126,7 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
-                meta: tuple[AttentionMetadata | StateMetadata, ...]) -> torch.Tensor:
+                meta: tuple[BackendMetadata | StateMetadata, ...]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer, cache, group in zip(self.layers, caches, self.layer_group):
@@ -172,7 +173,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
                                        lambda: ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                    kv_cache: tuple[torch.Tensor, ...], attn: AttentionMetadata,
+                    kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata,
                     write_only: bool = False) -> torch.Tensor | None:
         """The MTP layer at these positions: next_ids [T] the token after each, hidden [T, H] the normed state
         there (the target's, or the MTP layer's own when it drafts on) -> its normed output [T, H]; write_only:
