@@ -6,21 +6,21 @@ attending to L - T cached tokens, and T decodes (up to max_num_seqs) each attend
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ladle.attention.groups import attention_groups
-from ladle.startup.memory import measure_peak
+from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.interface import RoutedExperts
-from ladle.sampling_params import SamplingParams
-from ladle.attention.torch_ref import CONTEXT_TILE
-from ladle.runner.step_batch import StepBatch
 from ladle.runner.kv_allocation import allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
+from ladle.runner.step_batch import StepBatch
+from ladle.sampling_params import SamplingParams
+from ladle.startup.memory import measure_peak
 
 # The costliest sampling path: sorting for top-k/top-p, penalties over prompt and output, top-20 logprobs.
 # (The penalty counts themselves are reserved by the plan; a profiled step gathers its rows, as a real one.)

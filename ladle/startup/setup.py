@@ -6,28 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ladle.attention.groups import attention_groups
+from ladle.attention.selector import resolve_backend, select_backend
 from ladle.config.engine_args import EngineArgs, check_max_model_len
 from ladle.config.provenance import Provenance, resolve_basics, resolve_cudagraph_mode, resolve_cudagraph_size
 from ladle.config.sizes import format_bytes, parse_bytes
-from ladle.startup.engine_config import EngineConfig
-from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
-from ladle.startup import profile_cache
 from ladle.config.speculative import parse_speculative_config
-from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
-from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
-from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
-from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
-from ladle.startup.partial_prefill import resolve_partial_prefills
-from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
-from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
-from ladle.attention.groups import attention_groups
-from ladle.attention.selector import resolve_backend, select_backend
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
-from ladle.kv_cache.specs import KVCacheLayout
 from ladle.gguf.path import gguf_file_of
+from ladle.kv_cache.specs import KVCacheLayout
 from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
@@ -35,12 +26,25 @@ from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.kv_allocation import allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
+from ladle.startup import profile_cache
+from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
+from ladle.startup.engine_config import EngineConfig
+from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
+from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
+from ladle.startup.partial_prefill import resolve_partial_prefills
+from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
+from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
+from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
+from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
 class Loaded:
     model: torch.nn.Module
-    hf_config: object
+    hf_config: PretrainedConfig
     config: EngineConfig
 
 
@@ -50,7 +54,7 @@ def profile_token_counts(max_len: int) -> list[int]:
     return sorted({min(t, max_len) for t in (64, 512, 2048)})
 
 
-def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: object,
+def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: PretrainedConfig,
                         layout: KVCacheLayout, device: torch.device, context: int,
                         backend: str, tp: TensorParallel) -> list[ProfilePoint]:
     """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
@@ -116,6 +120,7 @@ def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int
 def build_runner(model: torch.nn.Module, cfg: EngineConfig) -> ModelRunner:
     """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
     layout = cfg.kv_layout
+    assert layout is not None  # planned before any runner is built
     # A model with state layers keeps one state slot per running request, then its checkpoints (the plan
     # reserved them).
     slots = cfg.max_num_seqs if layout.state_groups else 0
