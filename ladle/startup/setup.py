@@ -256,7 +256,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
                         args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
                         layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model),
                         tiered)
-    typed = {name: getattr(args, name) for name in
+    typed: dict[str, int] = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
         typed["kv_cache_memory_bytes"] = parse_bytes(args.kv_cache_memory_bytes)
