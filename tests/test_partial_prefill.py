@@ -6,7 +6,7 @@ import torch
 
 from ladle.config.engine_args import EngineArgs
 from ladle.startup.engine_config import EngineConfig
-from ladle.engine.fair_shares import fair_shares
+from ladle.engine.scheduler import fair_shares
 from ladle.startup.partial_prefill import PartialPrefillLimits
 from ladle.engine.scheduler import Scheduler
 from ladle.kv_cache.manager import KVCacheManager
@@ -163,3 +163,12 @@ def test_an_engine_with_priority_scheduling_serves_the_lowest_value_first(tiny_q
     assert [int(r) - int(outs[0].request_id) for r in firsts] == [1, 3, 0, 2]
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(prompts, use_tqdm=False, priority=[1])
+
+
+def test_every_scheduling_policy_the_flag_accepts_is_a_policy_class_and_no_other():
+    from ladle.config.engine_args import SCHEDULING_POLICIES
+    from ladle.engine.request_queue import scheduling_policy
+
+    assert [scheduling_policy(name).name for name in SCHEDULING_POLICIES] == list(SCHEDULING_POLICIES)
+    with pytest.raises(ValueError, match="scheduling_policy='lifo': choose one of fcfs, priority"):
+        scheduling_policy("lifo")

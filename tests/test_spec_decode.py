@@ -11,7 +11,7 @@ import torch
 
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
-from ladle.engine.ngram_proposer import NgramProposer, propose
+from ladle.engine.speculation.ngram_proposer import NgramProposer, propose
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SPEC_LOGPROB_ATOL = 1e-5  # README, "Speculative decoding": fp32 logprobs with drafts, against the plain run's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ladle.engine.spec_gate import PROBE_EVERY, SpecGate, expected_accepted
+from ladle.engine.speculation.gate import PROBE_EVERY, SpecGate, expected_accepted
 
 
 def _fitted(ms_per_token: float, base_ms: float = 20.0) -> SpecGate:
@@ -55,7 +55,7 @@ def test_expected_accepted_is_the_geometric_sum():
 
 
 def test_a_step_drafts_while_drafting_is_the_faster_arm_and_explores_the_other():
-    from ladle.engine.spec_arms import EXPLORE_EVERY, StepArms
+    from ladle.engine.speculation.arms import EXPLORE_EVERY, StepArms
 
     arms = StepArms()
     assert arms.drafts_now(16)  # drafts first

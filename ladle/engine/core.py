@@ -17,7 +17,6 @@ from ladle.startup.cpu_lending import CpuLender
 from ladle.executor.executor import Executor
 from ladle.executor.factory import create_executor
 from ladle.gguf.path import gguf_file_of
-from ladle.engine.schedule_ahead import schedule_ahead
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
@@ -204,7 +203,7 @@ class EngineCore:
                     self.sync.forget(r.request_id)
                 failed = [self._end_with_error(f) for f in result.failures]
                 return refused + self._end_step(sched, failed + self._update(result.sched, result.sampled))
-        nxt = schedule_ahead(self.scheduler, sched) if self._can_defer() else None
+        nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
         if nxt is not None:
             self.model_executor.apply(self.sync.update(nxt, self.kv))
             ahead = self._launch(nxt, pending.token_ids)

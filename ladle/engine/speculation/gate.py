@@ -8,7 +8,7 @@ Two measurements, both online:
 - the cost of a decode step's tokens, ms = a + b * tokens, least squares over recent decode-only steps (decayed).
 A row with k drafts is expected to gain p + p^2 + ... + p^k tokens, each worth a decode token's share of a
 plain step, (a + b * rows) / rows, and to cost b * k: it drafts when the gain is worth more (until the fit has
-seen two step sizes, every row may draft; ladle.engine.spec_arms runs plain steps too). A row whose
+seen two step sizes, every row may draft; ladle.engine.speculation.arms runs plain steps too). A row whose
 drafts the gate refuses still drafts one token after PROBE_EVERY refusals, then after twice as many, up to
 MAX_BACKOFF, so its p can recover while the probes cost a step almost nothing (16 rows probing every 16 steps
 with 5 drafts made a batch-16 step a quarter slower).

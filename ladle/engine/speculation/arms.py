@@ -1,5 +1,5 @@
 """Whether a decode step drafts at all: the output rate measured with drafts against without, per batch size.
-The per-row gate (ladle.engine.spec_gate) prices drafts with a linear model of step time; a step whose every
+The per-row gate (ladle.engine.speculation.gate) prices drafts with a linear model of step time; a step whose every
 draft is accepted can still be slower than plain decoding where the step is compute-bound (16 rows x 6 tokens
 on two CPU cores took 6x a 16-token step) or where a chunk's attention path costs more than the decode
 kernel's. So each decode-only step's output rate (tokens it produced per ms) is kept for steps with drafts and

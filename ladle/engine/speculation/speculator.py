@@ -1,5 +1,5 @@
 """Drafts for the decode rows of a step (speculative decoding): proposed, gated by what they are expected to
-pay (ladle.engine.spec_gate), and counted once verified. The runner verifies them in the same step as
+pay (ladle.engine.speculation.gate), and counted once verified. The runner verifies them in the same step as
 everything else (ladle.runner.spec_verify), so the tokens a request gets are those it would get without them.
 
 Penalties count each position's earlier drafts (ladle.runner.spec_verify); a constrained row gets the grammar's
@@ -10,12 +10,12 @@ those drafts are accepted. A row drafts nothing while a thinking block may still
 """
 from __future__ import annotations
 
-from ladle.engine.ngram_proposer import NgramProposer
-from ladle.engine.spec_arms import StepArms
-from ladle.engine.spec_gate import SpecGate
+from ladle.config.speculative import SpeculativeConfig
+from ladle.engine.speculation.arms import StepArms
+from ladle.engine.speculation.gate import SpecGate
+from ladle.engine.speculation.ngram_proposer import NgramProposer
 from ladle.engine.stats import EngineStats
 from ladle.request import Request
-from ladle.config.speculative import SpeculativeConfig
 from ladle.structured_output.manager import StructuredOutputManager
 
 
