@@ -91,3 +91,10 @@ def test_folders_import_only_the_floors_below():
 def test_every_folder_has_a_floor():
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == {f for floor in FLOORS for f in floor} - {""}
+
+
+def test_the_engine_talks_to_the_runner_through_one_module():
+    """The step payload and the sampled-token type are the engine's whole contract with the runner."""
+    graph = _graph()
+    reached = {t for m, ts in graph.items() if _folder(m) == "engine" for t in ts if _folder(t) == "runner"}
+    assert reached == {"ladle.runner.payload"}
