@@ -5,29 +5,29 @@ import atexit
 import gc
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig
 
 from ladle.config.engine_args import EngineArgs
-from ladle.startup.engine_config import EngineConfig
 from ladle.engine.core_output import EngineCoreOutput, EngineSnapshot
-from ladle.startup.cpu_lending import CpuLender
-from ladle.executor.executor import Executor
-from ladle.executor.factory import create_executor
-from ladle.gguf.path import gguf_file_of
+from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.scheduler_output import SchedulerOutput
 from ladle.engine.stats import EngineStats, StepRecord
-from ladle.engine.runner_sync import RunnerSync
 from ladle.engine.step_executor import RequestFailure, StepExecutor, chunk_specs
 from ladle.engine.structured_step import with_bitmasks
+from ladle.executor.executor import Executor
+from ladle.executor.factory import create_executor
 from ladle.experts.expert_files import ExpertFileError
+from ladle.gguf.path import gguf_file_of
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus, child_request_ids
-from ladle.sampling_params import SamplingParams
 from ladle.runner.payload import PendingStep, SampledToken
+from ladle.sampling_params import SamplingParams
+from ladle.startup.cpu_lending import CpuLender
+from ladle.startup.engine_config import EngineConfig
 from ladle.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ladle")
@@ -66,6 +66,7 @@ class EngineCore:
         self.hf_config = self.model_executor.hf_config
         self.eos_token_ids = eos_token_ids(args.model, self.hf_config)
         layout = cfg.kv_layout
+        assert layout is not None  # startup plans the layout before the engine is built
         slots = cfg.max_num_seqs if layout.state_groups else 0
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  groups=layout.groups, num_state_slots=slots,
@@ -193,8 +194,8 @@ class EngineCore:
             if self.lender is not None:
                 self.stats.steps_with_lent_cpus += self.lender.before_step() > self.lender.lending.base_threads
             self.model_executor.apply(self.sync.update(sched, self.kv))
-            pending = self._launch(sched) if self._can_defer() else None
-            if pending is None:
+            launched = self._launch(sched) if self._can_defer() else None
+            if launched is None:
                 result = self.step_executor.run(sched)
                 self._record(result.sched, (time.perf_counter() - start) * 1000)
                 restarted = [r for r in map(self.scheduler.find, result.restarted) if r is not None]
@@ -203,6 +204,7 @@ class EngineCore:
                     self.sync.forget(r.request_id)
                 failed = [self._end_with_error(f) for f in result.failures]
                 return refused + self._end_step(sched, failed + self._update(result.sched, result.sampled))
+            pending = launched
         nxt = self.scheduler.schedule_ahead(sched) if self._can_defer() else None
         if nxt is not None:
             self.model_executor.apply(self.sync.update(nxt, self.kv))

@@ -52,7 +52,7 @@ class SchedulerOutput:
     def num_prefill_chunks(self) -> int:
         return len(self.scheduled) - self.num_decodes
 
-    def shrink(self, max_tokens: int) -> "SchedulerOutput":
+    def shrink(self, max_tokens: int) -> SchedulerOutput:
         """The same step cut to max_tokens tokens, in schedule order (decodes first). A request cut short
         or dropped simply has fewer tokens computed this step; its blocks and slots stay as they were."""
         kept, left = [], max_tokens

@@ -20,8 +20,8 @@ ends that request (see EngineCore._update).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from ladle.config.engine_args import EngineArgs
-from ladle.startup.engine_config import EngineConfig
+from ladle.experts.cache import ExpertCacheStats
+from ladle.models.interface import CausalLM
 from ladle.runner.model_runner import ModelRunner, StateSnapshot
 from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate
-from ladle.experts.cache import ExpertCacheStats
+from ladle.startup.engine_config import EngineConfig
 from ladle.startup.expert_tiers import expert_cache_of
 from ladle.startup.setup import Loaded, build_runner, load_and_plan
 
@@ -42,6 +44,7 @@ class Executor:
         cfg = self.config
         if not cfg.max_cudagraph_capture_size:
             return
+        assert cfg.plan is not None  # startup's plan sized the graphs
         start = time.perf_counter()
         mixed = min(cfg.max_cudagraph_capture_size, cfg.max_num_batched_tokens)
         mixed = mixed if cfg.cudagraph_mode == "FULL" and mixed > 1 else 0  # a step of 1 token is a decode
@@ -54,7 +57,7 @@ class Executor:
 
     def expert_cache_stats(self) -> ExpertCacheStats | None:
         """Tiered experts: the cache's counters, from zero now (startup's profiling not counted)."""
-        cache = expert_cache_of(self.runner.model)
+        cache = expert_cache_of(cast(CausalLM, self.runner.model))  # ModelRunner.model is typed nn.Module
         if cache is None:
             return None
         cache.stats = ExpertCacheStats()

@@ -19,16 +19,20 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Callable
 
 import torch
 
 from ladle.config.engine_args import EngineArgs
 from ladle.config.provenance import resolve_device
 from ladle.distributed.parallel_state import (
-    COLLECTIVE_TIMEOUT, SINGLE, check_no_process_group, close_tensor_parallel, init_tensor_parallel,
+    COLLECTIVE_TIMEOUT,
+    SINGLE,
+    check_no_process_group,
+    close_tensor_parallel,
+    init_tensor_parallel,
 )
 from ladle.executor.executor import Executor, FatalStepError
 from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate

@@ -16,12 +16,12 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from ladle.startup.allocator import tune_malloc
 from ladle.config.provenance import resolve_device
 from ladle.distributed.parallel_state import close_tensor_parallel, init_tensor_parallel
-from ladle.startup.setup import build_runner, load_and_plan
 from ladle.executor.tensor_parallel import RankSetup, StopRank
 from ladle.runner.model_runner import ModelRunner
+from ladle.startup.allocator import tune_malloc
+from ladle.startup.setup import build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
 
