@@ -1,7 +1,8 @@
 """The decoder-only causal LM that Qwen3 and Llama share; parameter names follow the HF checkpoints."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -10,11 +11,18 @@ from torch import nn
 from ladle.attention.backend import BackendMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.experts.cache import ExpertCache
-from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
+from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.models.layers.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
-from ladle.models.layers.decoder_layer import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, head_dim_of
+from ladle.models.layers.decoder_layer import (
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    head_dim_of,
+)
 from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 from ladle.quantization.ggml_embedding import GgmlEmbedding
@@ -135,7 +143,8 @@ class DecoderForCausalLM(nn.Module):
         self.model = self.build_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (None if self.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.cpu_head: CpuHead | CpuLinear | GgmlLinear | None = None
         self.tp: TensorParallel = SINGLE  # the head is vocab-parallel when sharded
 

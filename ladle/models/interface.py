@@ -4,7 +4,8 @@ experts. Optional behaviour is a member with a no-op default, or a declared flag
 protocol (SupportsMtp) the class also meets; never an attribute probed with hasattr or getattr."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torch import nn
 

@@ -1,11 +1,12 @@
 """Model classes by the HF `config.architectures[0]` name."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
-from ladle.models.interface import CausalLM
 from ladle.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from ladle.models.interface import CausalLM
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen2 import Qwen2ForCausalLM

@@ -24,7 +24,12 @@ from ladle.attention.metadata import StateMetadata
 from ladle.attention.sink_attention import QUERY_BLOCK, CompressedEntries
 from ladle.attention.sink_capability import SupportsSinkAttention
 from ladle.models.deepseek_v4.compressor import (
-    Compressor, Dsv4RMSNorm, Indexer, entry_slots, interleaved_rope, unweighted_rms_norm,
+    Compressor,
+    Dsv4RMSNorm,
+    Indexer,
+    entry_slots,
+    interleaved_rope,
+    unweighted_rms_norm,
 )
 from ladle.models.layers.decoder_layer import RotaryEmbedding
 from ladle.quantization.fp8_linear import Fp8Linear
@@ -166,7 +171,7 @@ def sink_backend(attn: BackendMetadata) -> SupportsSinkAttention:
 def grouped_projection(layer: nn.Module, grouped: torch.Tensor) -> torch.Tensor:
     """grouped [T, G, I] through the block-diagonal wo_a (group g's output rows read group g's inputs) ->
     [T, G, R]. FP8 weights are widened a group's rows at a time, never the whole layer."""
-    t, groups, _ = grouped.shape
+    _, groups, _ = grouped.shape
     if isinstance(layer, Fp8Linear):
         r = layer.out_features // groups
         return torch.stack([F.linear(grouped[:, g], layer.dequantized(g * r, (g + 1) * r, grouped.dtype))

@@ -2,7 +2,8 @@
 (hyper_weights) and their merge back; and the collapse of the streams into one hidden state (hyper_head)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

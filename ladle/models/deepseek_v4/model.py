@@ -12,7 +12,8 @@ every CSA layer, then the state of every compressed layer.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,16 +21,16 @@ from torch import nn
 
 from ladle.attention.backend import BackendMetadata
 from ladle.attention.metadata import StateMetadata
+from ladle.experts.cache import ExpertCache
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.experts.cache import ExpertCache
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
-from ladle.models.layers.cpu_linear import pack
+from ladle.models.decoder import copy_checkpoint
 from ladle.models.deepseek_v4.attention import LAYER_TYPES, CompressedCaches, Dsv4Rope
 from ladle.models.deepseek_v4.block import Block, hyper_head
 from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
 from ladle.models.deepseek_v4.mtp import Dsv4MultiTokenPredictor, check_mtp_layers
-from ladle.models.decoder import copy_checkpoint
+from ladle.models.layers.cpu_linear import pack
 from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
 

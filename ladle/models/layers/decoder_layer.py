@@ -1,7 +1,8 @@
 """Building blocks shared by the decoder-only models, written to match HF transformers numerically."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,7 +118,8 @@ class GatedMLP(OpsModule):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = StackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.tp: TensorParallel = SINGLE  # down_proj is row-parallel when sharded (ladle.models.loading.tensor_parallel)
+        # down_proj is row-parallel when sharded (ladle.models.loading.tensor_parallel)
+        self.tp: TensorParallel = SINGLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))

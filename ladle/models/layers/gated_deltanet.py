@@ -19,6 +19,7 @@ from ladle.kv_cache.specs import StateSpec
 from ladle.models.layers.decoder_layer import StackedLinear
 from ladle.models.layers.ops import OpsModule
 
+
 def state_spec(config: Any, dtype: torch.dtype) -> StateSpec:
     """A layer's state: the conv window in the model dtype (it holds projected inputs) and the recurrent state
     in fp32."""

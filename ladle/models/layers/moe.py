@@ -6,14 +6,15 @@ run by the model's ops (ladle.models.layers.ops): grouped torch matmuls that mat
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.experts.backing import HostBacking
 from ladle.experts.tiered import TieredExperts
-from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers.decoder_layer import GatedMLP
 from ladle.models.layers.ops import OpsModule
@@ -52,7 +53,8 @@ class FusedMoE(OpsModule):
         self.keep_dtypes: tuple[str, ...] = ()  # the stacks the loader's cast leaves alone (quantized ones)
         self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
-        self.tiered: TieredExperts | None = None  # set by ladle.models.loading.expert_tiering: the experts live off the device
+        # set by ladle.models.loading.expert_tiering: the experts live off the device
+        self.tiered: TieredExperts | None = None
 
     def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer

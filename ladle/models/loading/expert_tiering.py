@@ -6,6 +6,7 @@ the device holds)."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
 from ladle.models.layers.moe import FusedMoE
+
 
 def _held_dtype(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() and not keep else t.dtype
@@ -84,14 +86,15 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
             backing = HostBacking({n: torch.empty((m.num_experts, *s), dtype=d, pin_memory=pin)
                                    for n, (s, d) in shapes.items()})
         m.tiered = TieredExperts(layer, backing, cache, policy, m.num_experts)
-    for (_, m), (_, following) in zip(layers, layers[1:]):
+    for (_, m), (_, following) in pairwise(layers):
         m.tiered.next = following.tiered
     model.expert_cache = cache  # nn.Module registers it as a submodule, which the model's expert_cache reads
     return skip
 
 
 def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
-                shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], files: list[str], renames: dict[str, str]) -> tuple[dict[str, dict[int, list[FilePart]]], set[str]]:
+                shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], files: list[str],
+                renames: dict[str, str]) -> tuple[dict[str, dict[int, list[FilePart]]], set[str]]:
     """Each tiered layer's expert parts found in the files: where each checkpoint tensor lies and which rows
     of which expert's slot tensor it fills (from the view the layer's checkpoint_views gives, applied to the
     meta stack)."""

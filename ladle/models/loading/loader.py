@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterator, cast
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -13,14 +14,20 @@ from ladle.experts.backing import FLOATS
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.gguf.path import gguf_file_of
 from ladle.kernels import cpu_kernels
-from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
-from ladle.models.loading.huge_pages import move_weights_to_huge_pages
+from ladle.models.interface import CausalLM, SupportsMtp
 from ladle.models.layers.cpu_ops import CpuOps
 from ladle.models.layers.decoder_layer import RotaryEmbedding
-from ladle.models.interface import CausalLM, SupportsMtp
 from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
+from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
+from ladle.models.loading.huge_pages import move_weights_to_huge_pages
 from ladle.models.registry import model_class_for, text_config_of
-from ladle.quantization.apply import checkpoint_dtypes, dequantize_layers, scale_names, use_fp8_linears, with_scale_slices
+from ladle.quantization.apply import (
+    checkpoint_dtypes,
+    dequantize_layers,
+    scale_names,
+    use_fp8_linears,
+    with_scale_slices,
+)
 from ladle.quantization.config import quant_config_of
 from ladle.quantization.ggml_embedding import use_ggml_embedding
 from ladle.quantization.ggml_linear import use_ggml_linears
@@ -72,7 +79,7 @@ def iter_weights(files: list[str], slices: dict | None = None,
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 -- safe_open has keys() but no iteration
                     if name in skip:
                         continue
                     if name not in slices:
@@ -227,7 +234,8 @@ def gguf_weights(path: os.PathLike, config: Any, keep: set[str]) -> Iterator[tup
     one expert at a time under their per-expert names (always widened: ladle.gguf.tensors)."""
     from ladle.gguf.config import architecture_of
     from ladle.gguf.reader import read_gguf
-    from ladle.gguf.tensors import iter_weights as iter_gguf, map_tensors
+    from ladle.gguf.tensors import iter_weights as iter_gguf
+    from ladle.gguf.tensors import map_tensors
 
     gguf = read_gguf(path)
     return iter_gguf(gguf, map_tensors(gguf, architecture_of(gguf), config), keep)

@@ -6,21 +6,22 @@ per-head output gate: its rows are, per head, head_dim query rows then head_dim 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from ladle.attention.backend import BackendMetadata
 from ladle.attention.metadata import StateMetadata
-from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
-from ladle.models.layers.cpu_linear import pack_linears, use_cpu_linears
+from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
 from ladle.models.decoder import DecoderForCausalLM, MlpFactory
+from ladle.models.layers.cpu_linear import pack_linears, use_cpu_linears
+from ladle.models.layers.decoder_layer import RotaryEmbedding, StackedLinear, head_dim_of
+from ladle.models.layers.gated_deltanet import GatedDeltaNet, state_spec
 from ladle.models.layers.moe import SharedExpertMoeBlock
 from ladle.models.layers.ops import apply_rotary
-from ladle.models.layers.gated_deltanet import GatedDeltaNet, state_spec
-from ladle.models.layers.decoder_layer import RotaryEmbedding, StackedLinear, head_dim_of
 from ladle.models.qwen3_5.mtp import MultiTokenPredictor, check_mtp_layers
 
 _LAYER_TYPES = ("linear_attention", "full_attention")

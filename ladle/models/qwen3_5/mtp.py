@@ -9,7 +9,8 @@ the next draft (vLLM's qwen3_5_mtp does the same).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
