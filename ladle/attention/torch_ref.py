@@ -8,7 +8,7 @@ batched in groups whose gathered keys stay under `decode_group_tokens`.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -74,7 +74,7 @@ class _Merger:
         self.lse: torch.Tensor | None = None
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.out is None:
+        if self.out is None or self.lse is None:  # set together: both or neither
             self.out, self.lse = out, lse
             return
         total = torch.logaddexp(self.lse, lse)
@@ -143,7 +143,8 @@ def _attend_decodes(
         v = _gather(v_cache, tables[:live], s, e, q.dtype)
         lens = torch.tensor(ctx[:live], device=device)
         mask = torch.zeros(live, 1, 1, e - s, dtype=q.dtype, device=device)
-        mask.masked_fill_((torch.arange(s, e, device=device)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        past_end = torch.arange(s, e, device=device)[None, :] >= lens[:, None]
+        mask.masked_fill_(past_end[:, None, None, :], float("-inf"))
         o, lse = _attend(qg[:live], k, v, scale, mask=mask)
         if live < len(group):
             o = torch.cat([o, o.new_zeros(len(group) - live, *o.shape[1:])])
