@@ -154,7 +154,7 @@ async def _one_request(client: Any, url: str, model: str, prompt: list[int], max
                     timing.token_times.append(time.perf_counter())  # one chunk, as vLLM's client counts ITL
                 if chunk.get("usage"):
                     timing.num_output_tokens = chunk["usage"]["completion_tokens"]
-    except Exception as e:  # a benchmark reports failures; it does not stop at the first
+    except Exception as e:  # noqa: BLE001 -- a benchmark reports failures; it does not stop at the first
         timing.error = f"{type(e).__name__}: {e}"
 
 
@@ -233,8 +233,8 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from ladle.frontend.llm_engine import LLMEngine
     from ladle.entrypoints.cli_args import ENGINE_KEYS, resolve_model
+    from ladle.frontend.llm_engine import LLMEngine
 
     model = resolve_model(args.model)
     engine_kwargs = {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}

@@ -8,7 +8,13 @@ import time
 from pathlib import Path
 
 from ladle.entrypoints.cli_args import (
-    DEFAULT_PROMPT, GENERATE_FLAGS, add_engine_flags, add_log_level, report_error, sampling_from_flags, engine_args_from_flags,
+    DEFAULT_PROMPT,
+    GENERATE_FLAGS,
+    add_engine_flags,
+    add_log_level,
+    engine_args_from_flags,
+    report_error,
+    sampling_from_flags,
 )
 
 
@@ -74,6 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = load_and_plan(engine_args, explicit).config
     print(config.report())
     if args.prompt_tokens is not None:
+        assert config.plan is not None  # load_and_plan always plans
         print(config.plan.prompt_report(args.prompt_tokens))
     return 0
 

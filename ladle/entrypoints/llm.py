@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -25,7 +26,7 @@ class LLM:
         self._start(LLMEngine.from_kwargs(model=model, **engine_args))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, explicit: frozenset[str]) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs, explicit: frozenset[str]) -> LLM:
         """From EngineArgs already built (and validated), e.g. by the command line."""
         llm = cls.__new__(cls)
         llm._start(LLMEngine(args, explicit))
@@ -41,7 +42,7 @@ class LLM:
         self.engine.grammars.shutdown()
         self.engine.core.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,14 +128,18 @@ class LLM:
         enable_thinking, go to it, as in vLLM's LLM.chat) and generate; the replies are the model's raw text."""
         if not messages:
             raise ValueError("messages is empty; give at least one message")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        # One conversation's first item is a message, a batch's a conversation (mypy cannot narrow by an item).
+        conversations = ([cast(Conversation, messages)] if isinstance(messages[0], dict)
+                         else list(cast(Sequence[Conversation], messages)))
         tok = self.engine.tokenizer
         prompts: list[PromptType] = []
         marks: list[tuple[int, ...]] = []
 
         def text_of(conv: Sequence[dict], generation_prompt: bool, tools: Any = tools) -> str:
-            return tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
+            text = tok.apply_chat_template(list(conv), tokenize=False, add_generation_prompt=generation_prompt,
                                            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
+            assert isinstance(text, str)  # tokenize=False: the rendered text
+            return text
 
         def render(conv: Sequence[dict], generation_prompt: bool) -> tuple[str, list[int]]:
             text = text_of(conv, generation_prompt)

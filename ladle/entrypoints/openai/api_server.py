@@ -20,7 +20,8 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -47,9 +48,9 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     """From `ladle serve`'s flags (checked with check_serve_flags): the engine client, its engine process
     already starting, and everything the app serves with. reserved_cpus: CPUs the engine leaves to this
     process (and pins itself beside; 0 pins nothing)."""
-    from ladle.serving.async_client import AsyncEngineClient, SupervisorConfig
     from ladle.entrypoints.cli_args import engine_args_from_flags
     from ladle.entrypoints.openai.metrics import ServerMetrics
+    from ladle.serving.async_client import AsyncEngineClient, SupervisorConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
@@ -68,10 +69,10 @@ def server_state(args: argparse.Namespace, reserved_cpus: int) -> ServerState:
     client = AsyncEngineClient(engine_args, explicit, supervision, args.log_level, on_snapshot=metrics.on_snapshot)
     client.prestart()  # the engine imports and loads while this process imports the server's libraries
 
-    from ladle.entrypoints.openai.edge import EdgeLimits
     from ladle.entrypoints.openai.app import ServerState
-    from ladle.entrypoints.openai.chat.settings import architecture, resolve_chat_settings
     from ladle.entrypoints.openai.chat.serving import chat_template_problem
+    from ladle.entrypoints.openai.chat.settings import architecture, resolve_chat_settings
+    from ladle.entrypoints.openai.edge import EdgeLimits
     from ladle.entrypoints.openai.serving_engine import ServingContext, ServingLimits
     from ladle.entrypoints.openai.tokenizer_pool import TokenizerPool
     from ladle.structured_output.checker import GrammarChecker
@@ -117,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            timeout_keep_alive=args.timeout_keep_alive)
     server = DrainingServer(config, state, args.shutdown_timeout)
     client.set_on_fatal(server.fail)
-    host, port = sock.getsockname()[:2]
+    _host, port = sock.getsockname()[:2]
     logger.info("connections: %s; request heads within %g s, keep-alive %g s, stalled responses aborted after "
                 "%g s", connections, args.timeout_request_head, args.timeout_keep_alive, args.stream_stall_timeout)
     print(f"ladle: serving {name!r} on http://{args.host}:{port}/v1 (pid {os.getpid()}); "

@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,7 +15,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ladle.entrypoints.openai.anthropic.protocol import (
-    ANTHROPIC, AnthropicMessageResponse, CountTokensRequest, MessagesRequest, TokenCount, anthropic_error,
+    ANTHROPIC,
+    AnthropicMessageResponse,
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
+    anthropic_error,
 )
 from ladle.entrypoints.openai.anthropic.serving import AnthropicServingMessages
 from ladle.entrypoints.openai.api_supervisor import api_restarts
@@ -23,10 +28,23 @@ from ladle.entrypoints.openai.chat.serving import OpenAIServingChat
 from ladle.entrypoints.openai.completions.serving import OpenAIServingCompletion
 from ladle.entrypoints.openai.edge import EdgeLimits, EdgeMiddleware, EdgeState
 from ladle.entrypoints.openai.field_policy import no_op_fields, query_no_ops
-from ladle.entrypoints.openai.openapi_doc import METRICS_RESPONSES, error_responses, generation_responses, install_openapi
+from ladle.entrypoints.openai.openapi_doc import (
+    METRICS_RESPONSES,
+    error_responses,
+    generation_responses,
+    install_openapi,
+)
 from ladle.entrypoints.openai.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, HealthResponse,
-    ModelCard, ModelList, OpenAIError, clip, internal_error,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    clip,
+    internal_error,
 )
 from ladle.entrypoints.openai.responses.protocol import ResponseObject, ResponsesRequest
 from ladle.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -96,7 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
     keyed = state.edge_limits.api_key is not None
     install_openapi(app, api_key=keyed)
 
-    def envelope(err: OpenAIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    def envelope(err: OpenAIError, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
         """OpenAI's error body, or Anthropic's on the Messages API's routes."""
         body = anthropic_error(err.status, err.message) if path.startswith(ANTHROPIC) else err.response().model_dump()
         return JSONResponse(body, status_code=err.status, headers=headers)

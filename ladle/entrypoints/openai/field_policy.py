@@ -14,8 +14,9 @@ one parameter of the URL's query string: any other query parameter on an API rou
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel
 

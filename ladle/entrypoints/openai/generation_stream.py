@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
-from ladle.serving.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 from ladle.engine.core_output import EngineCoreOutput
-from ladle.frontend.child_state import ChildState, child_states
 from ladle.entrypoints.openai.metrics import ServerMetrics
 from ladle.entrypoints.openai.protocol import OpenAIError, PromptTokensDetails, UsageInfo, internal_error
+from ladle.frontend.child_state import ChildState, child_states
 from ladle.outputs import Logprob
 from ladle.request import RequestRejected, child_request_ids
 from ladle.sampling_params import SamplingParams
+from ladle.serving.async_client import AsyncEngineClient, EngineDeadError, EngineUnavailableError, RequestHandle
 
 _SLICE = 128  # engine outputs handled between two turns of the event loop
 
@@ -111,7 +112,7 @@ class GenerationStream:
         self.finished = False
         # Joined updates give the same text, but a stop string must be found at the output that made it, so
         # the tokens after it are not counted: with stop strings each output is its own update.
-        self._coalesce = not any(params.stop)
+        self._coalesce = not any(params.stop_list)
 
     async def start(self) -> None:
         """Submit to the engine; raises OpenAIError if it will not take the request."""

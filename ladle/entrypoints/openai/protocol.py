@@ -14,13 +14,27 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from ladle.entrypoints.openai.protocol_base import (  # noqa: F401 -- the protocol's names, importable from here
-    EchoModel, ErrorInfo, ErrorResponse, OpenAIBaseModel, OpenAIError, Text, TokenId, clip, internal_error,
+    EchoModel,
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIBaseModel,
+    OpenAIError,
+    Text,
+    TokenId,
+    clip,
+    internal_error,
 )
 from ladle.entrypoints.openai.reasoning_effort import ReasoningEffort
 from ladle.entrypoints.openai.structured_request import GuidedFields, ResponseFormat, StructuredOutputsRequest
 from ladle.entrypoints.openai.tool_protocol import (
-    MAX_TOOLS, ChatCompletionToolParam, DeltaToolCall, ToolCallOut, ToolCallParam, ToolChoice,
+    MAX_TOOLS,
+    ChatCompletionToolParam,
+    DeltaToolCall,
+    ToolCallOut,
+    ToolCallParam,
+    ToolChoice,
 )
+
 # Bounds OpenAI documents; the engine's SamplingParams checks again.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128  # one request may not fan out into more engine requests than this

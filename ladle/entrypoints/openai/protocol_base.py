@@ -45,7 +45,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
-    def response(self) -> "ErrorResponse":
+    def response(self) -> ErrorResponse:
         kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
 

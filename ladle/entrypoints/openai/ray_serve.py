@@ -25,9 +25,9 @@ def replica_app(argv: list[str]) -> Any:
     """The ASGI app of one replica, built inside the replica's actor: `ladle serve`'s, over its own engine."""
     import logging
 
+    from ladle.entrypoints.openai.api_server import server_state
     from ladle.entrypoints.openai.app import build_app
     from ladle.entrypoints.openai.serve_args import add_serve_arguments, check_serve_flags
-    from ladle.entrypoints.openai.api_server import server_state
 
     parser = argparse.ArgumentParser(prog="ladle serve-replicas (replica)")
     parser.add_argument("--log-level", type=str.upper, default="WARNING")
@@ -54,8 +54,8 @@ def ladle_application(argv: list[str], num_replicas: int, gpus_per_replica: int,
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads_per_replica)}}}
     if gpus_per_replica:
         options["num_gpus"] = gpus_per_replica
-    return serve.deployment(ingress, name="ladle", num_replicas=num_replicas, ray_actor_options=options,
-                            max_ongoing_requests=1024, health_check_period_s=10).bind()
+    return serve.deployment(name="ladle", num_replicas=num_replicas, ray_actor_options=options,
+                            max_ongoing_requests=1024, health_check_period_s=10)(ingress).bind()
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +97,8 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     local = args.ray_address == "local"
     # A local instance stays on loopback and on this machine's CPUs; a cluster is the user's to configure.
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True,
-             **({"_node_ip_address": "127.0.0.1", "num_cpus": len(usable_cpus())} if local else {}))
+             _node_ip_address="127.0.0.1" if local else None,  # None, as num_cpus's: ray.init's defaults
+             num_cpus=len(usable_cpus()) if local else None)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = ladle_application(replica_argv(args.argv), args.num_replicas, tp if on_gpu else 0, threads)

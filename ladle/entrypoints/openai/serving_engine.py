@@ -3,8 +3,9 @@ the HTTP response of one API request (streamed, or built and serialized off the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,7 +23,6 @@ from ladle.structured_output.checker import GrammarChecker
 from ladle.structured_output.grammar import InvalidStructuredOutput
 from ladle.structured_output.matcher import GrammarError, tokenizer_spec
 from ladle.structured_output.sandbox import SandboxBusy
-
 
 T = TypeVar("T")
 
@@ -144,8 +144,8 @@ class ServingContext:
         limit = self.limits.max_logprobs_per_request
         if entries + prompt > limit:
             asked = (f"{len(prompt_lens)} prompt(s) x n={params.n} x up to {max(room)} tokens x "
-                     f"{params.logprobs + 1} logprobs" if entries else "")
-            if prompt:
+                     f"{params.logprobs + 1} logprobs" if entries and params.logprobs is not None else "")
+            if prompt and params.prompt_logprobs is not None:
                 asked += (" and " if asked else "") + (f"n={params.n} x {sum(prompt_lens)} prompt tokens x "
                                                        f"{params.prompt_logprobs + 1} prompt logprobs")
             raise OpenAIError(400, f"{asked} asks for {entries + prompt} logprob entries; this server allows at "

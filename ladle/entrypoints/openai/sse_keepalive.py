@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 KEEPALIVE = ": keepalive\n\n"
 KEEPALIVE_S = 15.0  # well inside any client's idle limit, and rare enough to cost nothing

@@ -6,8 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ladle.entrypoints.openai.anthropic.protocol import (
-    AnthropicMessage, ClearThinkingEdit, ClearToolUsesEdit, RedactedThinkingBlock, SystemMessage, TextBlock,
-    ThinkingBlock, ToolResultBlock, ToolUseBlock,
+    AnthropicMessage,
+    ClearThinkingEdit,
+    ClearToolUsesEdit,
+    RedactedThinkingBlock,
+    SystemMessage,
+    TextBlock,
+    ThinkingBlock,
+    ThinkingTurns,
+    ToolResultBlock,
+    ToolUseBlock,
 )
 
 Messages = list[AnthropicMessage | SystemMessage]
@@ -26,13 +34,14 @@ def clear_thinking(messages: Messages, edit: ClearThinkingEdit) -> Messages:
     turn, as Anthropic reads them)."""
     if keeps_all_thinking(edit):
         return messages
-    assert not isinstance(edit.keep, str)
+    keep = edit.keep
+    assert isinstance(keep, ThinkingTurns)  # not "all" in either spelling
     turn, turns = -1, []  # each message's turn number; -1 before the first assistant turn
     for i, m in enumerate(messages):
         if m.role == "assistant" and not (i and messages[i - 1].role == "assistant"):
             turn += 1
         turns.append(turn)
-    first_kept = turn + 1 - edit.keep.value
+    first_kept = turn + 1 - keep.value
     out: Messages = []
     for m, t in zip(messages, turns):
         if m.role == "assistant" and t < first_kept and isinstance(m.content, list):

@@ -8,16 +8,32 @@ tool_use, streamed with its event sequence, and its usage splits the prompt into
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import Request
 
 from ladle.entrypoints.openai.anthropic.context_edits import (
-    Messages, clear_thinking, clear_tool_uses, keeps_all_thinking, triggered,
+    Messages,
+    clear_thinking,
+    clear_tool_uses,
+    keeps_all_thinking,
+    triggered,
 )
 from ladle.entrypoints.openai.anthropic.protocol import (
-    AnthropicMessage, ClearThinkingEdit, CountTokensRequest, ImageBlock, MessagesRequest, RedactedThinkingBlock,
-    SystemMessage, TextBlock, ThinkingBlock, ToolReferenceBlock, ToolResultBlock, ToolUseBlock, anthropic_error,
+    AnthropicMessage,
+    ClearThinkingEdit,
+    CountTokensRequest,
+    ImageBlock,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    SystemMessage,
+    TextBlock,
+    ThinkingBlock,
+    ToolReferenceBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    anthropic_error,
 )
 from ladle.entrypoints.openai.anthropic.stream import BlockWriter, event, stop_reason, usage
 from ladle.entrypoints.openai.anthropic.thinking_signature import SHOWN, seal, unseal
@@ -25,7 +41,12 @@ from ladle.entrypoints.openai.chat.output import ChoiceReader, read_whole
 from ladle.entrypoints.openai.chat.render import chars, chat_prompt, render
 from ladle.entrypoints.openai.chat.serving import OpenAIServingChat, PreparedChat, chat_request
 from ladle.entrypoints.openai.field_policy import (
-    BETA, BILLING_HEADER, BILLING_PREFIX, KEEP_ALL_THINKING, MESSAGES_EFFORT, header_no_ops,
+    BETA,
+    BILLING_HEADER,
+    BILLING_PREFIX,
+    KEEP_ALL_THINKING,
+    MESSAGES_EFFORT,
+    header_no_ops,
 )
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.serving_engine import client_of, respond

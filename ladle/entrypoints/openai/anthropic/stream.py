@@ -4,7 +4,8 @@ deltas: thinking, text and tool_use in the order the model wrote them."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ladle.entrypoints.openai.anthropic.thinking_signature import SHOWN, seal
 from ladle.entrypoints.openai.chat.output import ChoicePiece

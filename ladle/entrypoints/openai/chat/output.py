@@ -2,8 +2,8 @@
 by the server's reasoning and tool-call parsers. A whole answer is the same reader fed once."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ladle.entrypoints.openai.chat.reasoning_parser import ReasoningStream
 from ladle.entrypoints.openai.chat.settings import ChatSettings

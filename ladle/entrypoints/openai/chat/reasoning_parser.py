@@ -39,10 +39,10 @@ class ReasoningParser:
 
     def think_tags(self, tokenizer: Any) -> ThinkTags:
         """The tags as the tokenizer encodes them (one token each in the families' real vocabularies)."""
-        ids = [tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (self.start, self.end)]
-        return ThinkTags(*ids)
+        start, end = (tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (self.start, self.end))
+        return ThinkTags(start, end)
 
-    def stream(self, thinking: bool) -> "ReasoningStream":
+    def stream(self, thinking: bool) -> ReasoningStream:
         return ReasoningStream(self, thinking)
 
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import Request
 from jinja2 import TemplateSyntaxError
@@ -16,13 +16,28 @@ from ladle.entrypoints.openai.chat.tools import ToolPlan, constrain, gated, tool
 from ladle.entrypoints.openai.field_policy import CHAT_EFFORT
 from ladle.entrypoints.openai.generation_stream import GenerationStream, TokenLogprobs, TokenTexts
 from ladle.entrypoints.openai.protocol import (
-    ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-    ChatResponseMessage, DeltaMessage, OpenAIError, TopLogprob,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    OpenAIError,
+    TopLogprob,
 )
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs, template_controls
 from ladle.entrypoints.openai.serving_engine import (
-    SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
+    SSE_DONE,
+    ServingContext,
+    client_of,
+    respond,
+    sampling_params,
+    sse,
+    sse_error,
+    with_choices,
 )
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
@@ -79,6 +94,7 @@ class OpenAIServingChat:
         if effort_kwargs(req.reasoning_effort, self.effort_controls)[1]:
             self.ctx.metrics.no_ops("chat_completions", [CHAT_EFFORT])
         stream, plan, thinking = chat.stream, chat.plan, chat.thinking
+        assert stream is not None  # submitted: prepare counts only when asked to
         top_n = req.top_logprobs or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(stream, self._stream(stream, top_n, include_usage, plan, thinking),
@@ -100,7 +116,7 @@ class OpenAIServingChat:
         structured, param = constrain(plan, settings, req.parallel_tool_calls, structured, param,
                                       self.ctx.grammars.limits)
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, structured)
-        self.ctx.check_stop(params.stop)
+        self.ctx.check_stop(params.stop_list)
         await self.ctx.check_structured(params, param, client)
         if not count_only:
             self.ctx.vocab_size()  # 503 before any work while no engine is ready

@@ -35,7 +35,8 @@ def architecture(model_dir: str) -> str:
         from ladle.gguf.config import ARCHITECTURES
         from ladle.gguf.reader import read_gguf
 
-        return ARCHITECTURES.get(read_gguf(gguf).metadata.get("general.architecture"), "")
+        arch = read_gguf(gguf).metadata.get("general.architecture")
+        return ARCHITECTURES.get(arch, "") if isinstance(arch, str) else ""
     try:
         archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):

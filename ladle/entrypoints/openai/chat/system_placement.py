@@ -9,7 +9,8 @@ conversation grows. Which one a template does is found by rendering a probe, wit
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # A text no conversation holds: the probe asks where the template put it.
 _PROBE = "ladle-system-probe"

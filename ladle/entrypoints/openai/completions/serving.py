@@ -2,19 +2,36 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import Request
 
 from ladle.entrypoints.openai.generation_stream import (
-    ChoiceDelta, ChoiceState, GenerationStream, TokenLogprobs, TokenTexts,
+    ChoiceDelta,
+    ChoiceState,
+    GenerationStream,
+    TokenLogprobs,
+    TokenTexts,
 )
 from ladle.entrypoints.openai.protocol import (
-    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice, CompletionStreamResponse,
-    OpenAIError, PromptLogprob,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    OpenAIError,
+    PromptLogprob,
 )
 from ladle.entrypoints.openai.serving_engine import (
-    SSE_DONE, ServingContext, client_of, respond, sampling_params, sse, sse_error, with_choices,
+    SSE_DONE,
+    ServingContext,
+    client_of,
+    respond,
+    sampling_params,
+    sse,
+    sse_error,
+    with_choices,
 )
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 
@@ -72,7 +89,7 @@ class OpenAIServingCompletion:
         # echo with logprobs reports the prompt's tokens too, from prompt logprobs of the same depth (vLLM's).
         prompt_logprobs = req.logprobs if req.prompt_logprobs is None and req.echo else req.prompt_logprobs
         params = sampling_params(req, req.max_tokens, req.logprobs, structured, prompt_logprobs)
-        self.ctx.check_stop(params.stop)
+        self.ctx.check_stop(params.stop_list)
         await self.ctx.check_structured(params, param, client_of(raw_request))
         vocab = self.ctx.vocab_size()
         chars = sum(len(p) for p in prompts if isinstance(p, str))

@@ -152,7 +152,7 @@ class HostedTool(_Item):
 _TOOL_TYPES = ("function", "custom", "namespace", *HOSTED_TOOLS)
 
 
-def _tool_type(tool: Any) -> str:
+def _tool_type(tool: Any) -> object:  # a dict's type is whatever JSON the client sent
     return tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", "")
 
 

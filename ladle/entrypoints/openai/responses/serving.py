@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import Request
 
@@ -18,12 +19,24 @@ from ladle.entrypoints.openai.field_policy import RESPONSES_EFFORT, hosted_tool
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.reasoning_effort import effort_kwargs
 from ladle.entrypoints.openai.responses.protocol import (
-    CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem, FunctionCallOutputItem, ItemReference,
-    MessageItem, Part, ReasoningItem, ResponsesRequest, TextPart,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ItemReference,
+    MessageItem,
+    Part,
+    ReasoningItem,
+    ResponsesRequest,
+    TextPart,
 )
 from ladle.entrypoints.openai.responses.stream import ResponsesWriter, message_item, reasoning_item, tool_item
 from ladle.entrypoints.openai.responses.tools import (
-    ResponsesTools, custom_arguments, custom_input, model_name, responses_tools,
+    ResponsesTools,
+    custom_arguments,
+    custom_input,
+    model_name,
+    responses_tools,
 )
 from ladle.entrypoints.openai.serving_engine import client_of, respond, sse_error
 

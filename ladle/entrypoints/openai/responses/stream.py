@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ladle.entrypoints.openai.chat.output import ChoicePiece
 from ladle.entrypoints.openai.responses.tools import ClientTool, InputStream, custom_input
@@ -94,7 +95,7 @@ class ResponsesWriter:
             yield self.event("response.content_part.added", {**self._where(), "part": part})
         self.open["content"][0]["text"] += text
         delta_kind = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, list[object]] = {} if kind == "reasoning" else {"logprobs": []}
         yield self.event(delta_kind, {**self._where(), "delta": text, **extra})
 
     def _arguments(self, delta: str) -> Iterator[str]:
@@ -130,7 +131,7 @@ class ResponsesWriter:
         else:
             part, where = item["content"][0], {"item_id": item["id"], "output_index": index, "content_index": 0}
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+            extra: dict[str, list[object]] = {} if item["type"] == "reasoning" else {"logprobs": []}
             yield self.event(done, {**where, "text": part["text"], **extra})
             yield self.event("response.content_part.done", {**where, "part": part})
         yield self.event("response.output_item.done", {"output_index": index, "item": item})

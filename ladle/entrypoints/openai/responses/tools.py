@@ -24,7 +24,14 @@ from typing import Any
 from ladle.entrypoints.openai.chat.tool_parsers.json_calls import INPUT
 from ladle.entrypoints.openai.protocol_base import OpenAIError, clip
 from ladle.entrypoints.openai.responses.protocol import (
-    CustomTool, FunctionTool, HostedChoice, HostedTool, NamedCustom, NamedFunction, NamespaceTool,
+    CustomTool,
+    FunctionTool,
+    GrammarInputFormat,
+    HostedChoice,
+    HostedTool,
+    NamedCustom,
+    NamedFunction,
+    NamespaceTool,
 )
 
 SEPARATOR = "."  # between a namespace and its tool's name, in the name the model is shown
@@ -100,8 +107,9 @@ def responses_tools(tools: list[Any] | None) -> ResponsesTools:
             exclude_none=True, exclude={"type", "name", "description"})
         out.functions.append({"type": "function", "function": {
             "name": name, **({"description": description} if description else {}), **function}})
-        if custom and tool.format is not None and tool.format.type == "grammar" and tool.format.syntax == "lark":
-            out.grammars[name] = tool.format.definition
+        grammar = tool.format if isinstance(tool, CustomTool) else None
+        if isinstance(grammar, GrammarInputFormat) and grammar.syntax == "lark":
+            out.grammars[name] = grammar.definition
 
     for i, tool in enumerate(tools or []):
         if isinstance(tool, HostedTool):

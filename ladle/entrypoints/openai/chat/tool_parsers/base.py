@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 Tools = dict[str, dict[str, Any]]  # a request's functions: name -> JSON schema of its parameters
@@ -48,7 +48,7 @@ class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __iadd__(self, other: "ParsedDelta") -> "ParsedDelta":
+    def __iadd__(self, other: ParsedDelta) -> ParsedDelta:
         self.content += other.content
         self.tool_calls += other.tool_calls
         return self

@@ -24,7 +24,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ladle.entrypoints.openai.chat.tool_parsers.base import (
-    CallProgress, ToolFormat, Tools, UnsupportedSchema, partial_suffix,
+    CallProgress,
+    ToolFormat,
+    Tools,
+    UnsupportedSchema,
+    partial_suffix,
 )
 from ladle.entrypoints.openai.chat.tool_parsers.parameters import raw_regex, refuse_grammars, unsupported, writable
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
@@ -41,6 +45,13 @@ _INVOKE_CLOSE = '">\n'  # after the name, in the grammar
 BLOCK_OPENING = f"\n\n{BLOCK}\n"  # the block's start as the model writes it
 FORMAT = "deepseek_v4"
 STRING_VALUE = r"/[^<]*/"  # the grammar's raw text: it cannot hold "<", which would need lookahead to allow
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    """Where the whitespace from pos ends."""
+    m = _WS.match(text, pos)
+    assert m is not None  # \s* matches the empty string
+    return m.end()
 
 
 class DeepSeekV4Format(ToolFormat):
@@ -65,7 +76,7 @@ class DeepSeekV4Format(ToolFormat):
         pos = len(BLOCK)
         calls: list[CallProgress] = []
         while True:
-            pos = _WS.match(text, pos).end()
+            pos = _skip_ws(text, pos)
             rest = text[pos:]
             if rest.startswith(BLOCK_END):
                 break
@@ -106,7 +117,7 @@ def _parameters(text: str, pos: int) -> tuple[list[str], int, bool] | None:
     </｜DSML｜invoke> closed it; None when the text cannot be an invoke's body."""
     parts: list[str] = []
     while True:
-        pos = _WS.match(text, pos).end()
+        pos = _skip_ws(text, pos)
         rest = text[pos:]
         if rest.startswith(INVOKE_END):
             return parts, pos + len(INVOKE_END), True

@@ -79,7 +79,7 @@ class HermesFormat(TaggedFormat):
     def grammar(self, tools: Tools, parallel: bool, grammars: Mapping[str, str] | None = None) -> str:
         if grammars:
             calls, rules = json_calls(tools, grammars, "arguments")
-            head = f'start: call ("\\n" call)*' if parallel else "start: call"
+            head = 'start: call ("\\n" call)*' if parallel else "start: call"
             return "\n".join([head, f'call: "{START}\\n" ({calls}) "\\n{END}"', *rules])
         call = f'"{START}\\n" %json {json.dumps(calls_schema(tools, "arguments"))} "\\n{END}"'
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"

@@ -50,6 +50,7 @@ class Llama3JsonFormat(ToolFormat):
             if _read(region[pos:e]) is None:  # not a call: content up to the last call (all of it, if none)
                 return last if last is not None else e
             m = _SEP.match(region, e)
+            assert m is not None  # every part of the pattern may be empty
             if m.end() == len(region):
                 return None  # "; " or whitespace so far: another call may follow
             if not (m.group(1) and region[m.end()] == "{"):
@@ -76,6 +77,7 @@ class Llama3JsonFormat(ToolFormat):
                 return calls or None
             calls.append(CallProgress(*read, True))
             m = _SEP.match(region, e)
+            assert m is not None  # every part of the pattern may be empty
             if not (m.group(1) and region[m.end():m.end() + 1] == "{"):
                 break
             pos = m.end()

@@ -23,10 +23,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ladle.entrypoints.openai.chat.tool_parsers.base import (
-    CallProgress, TaggedFormat, Tools, UnsupportedSchema, partial_suffix,
+    CallProgress,
+    TaggedFormat,
+    Tools,
+    UnsupportedSchema,
+    partial_suffix,
 )
 from ladle.entrypoints.openai.chat.tool_parsers.parameters import (
-    STRING_TYPES, parameters, raw_regex, refuse_grammars, unsupported, writable,
+    STRING_TYPES,
+    parameters,
+    raw_regex,
+    refuse_grammars,
+    unsupported,
+    writable,
 )
 from ladle.structured_output.grammar import DEFAULT_WHITESPACE
 from ladle.structured_output.schema_refs import NON_CONSTRAINING, standalone
