@@ -2,7 +2,7 @@
 the plan counts once it is loaded."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ def expert_cache_of(model: CausalLM) -> ExpertCache | None:
     return model.expert_cache
 
 
-def tiered_bytes(model: nn.Module) -> tuple[int, int]:
+def tiered_bytes(model: CausalLM) -> tuple[int, int]:
     """(bytes in host memory, bytes in the checkpoint files) of the tiered experts."""
     host = files = 0
     for module in model.modules():
@@ -46,7 +46,7 @@ def tiered_bytes(model: nn.Module) -> tuple[int, int]:
     return host, files
 
 
-def tiered_line(model: nn.Module, device: torch.device) -> tuple[int, str]:
+def tiered_line(model: CausalLM, device: torch.device) -> tuple[int, str]:
     """Bytes the tier adds to the device's weights (host memory is the device's on CPU), and the plan's line
     on resident vs tiered bytes ('' when nothing is tiered)."""
     cache = expert_cache_of(model)
@@ -64,11 +64,11 @@ def tiered_line(model: nn.Module, device: torch.device) -> tuple[int, str]:
 
 def calibrate_tiers(model: nn.Module, prov: Provenance, device: torch.device, dtype: torch.dtype) -> None:
     """moe_strategy hybrid: measure where a miss is cheaper, once, and show the threshold in the settings."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.tiered is not None]
-    if not layers or layers[0].tiered.policy.strategy != "hybrid":
+    layers = [(m, m.tiered) for m in model.modules() if isinstance(m, FusedMoE) and m.tiered is not None]
+    if not layers or layers[0][1].policy.strategy != "hybrid":
         return
-    first = layers[0]
-    hidden = first.tiered.cache.slot_tensors()["w2"].shape[1]
-    threshold, why = calibrate_hybrid(first.tiered, first._stacks, hidden, dtype, device, first.swiglu_limit)
-    first.tiered.policy.in_place_max_tokens = threshold
+    first, tiered = layers[0]
+    hidden = tiered.cache.slot_tensors()["w2"].shape[1]
+    threshold, why = calibrate_hybrid(tiered, first._stacks, hidden, dtype, device, first.swiglu_limit)
+    tiered.policy.in_place_max_tokens = threshold
     prov.put("moe_hybrid_in_place_tokens", threshold, why)

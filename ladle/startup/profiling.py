@@ -152,7 +152,8 @@ def _measure(
     num_layers = layout.num_layers
     # A state slot per decode row (prefills use slot 0), as the engine's one slot per running request.
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
-    runner = ModelRunner(model, caches, block_size, device,
+    # The caches as allocate_kv_caches types them (tuple[Tensor, ...]), ModelRunner's annotation says (K, V) pairs.
+    runner = ModelRunner(model, caches, block_size, device,  # type: ignore[arg-type]
                          groups=attention_groups(layout, device, attention_backend), state_groups=layout.state_groups)
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -19,6 +19,7 @@ from ladle.config.speculative import parse_speculative_config
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.gguf.path import gguf_file_of
 from ladle.kv_cache.specs import KVCacheLayout
+from ladle.models.interface import CausalLM
 from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
@@ -133,7 +134,9 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig) -> ModelRunner:
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
-    return ModelRunner(model, caches, cfg.block_size, cfg.device, tables, groups, layout.state_groups,
+    # The caches as allocate_kv_caches types them (tuple[Tensor, ...]), ModelRunner's annotation says (K, V) pairs.
+    return ModelRunner(model, caches, cfg.block_size, cfg.device,  # type: ignore[arg-type]
+                       tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
                        draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative))
 
@@ -149,7 +152,9 @@ def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> Mem
         if value != mine:
             prov.put(name, value, f"the smallest of the {tp.world_size} tensor-parallel ranks' plans (rank "
                                   f"{tp.rank}'s: {mine})")
-    return dataclasses.replace(plan, **dict(zip(names, agreed)), ranks=ranks)
+    max_model_len, max_num_batched_tokens, max_prefill_length, num_kv_blocks = agreed
+    return dataclasses.replace(plan, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                               max_prefill_length=max_prefill_length, num_kv_blocks=num_kv_blocks, ranks=ranks)
 
 
 def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel = SINGLE) -> Loaded:
@@ -200,17 +205,18 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     mtp = speculative is not None and speculative.method == "mtp"
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
                                   args.dequantize_weights, tiering_resolver(args, prov, budget, device), mtp)
+    lm = cast(CausalLM, model)  # load_model returns the CausalLM it built typed as nn.Module
     lending = keep_lending(lending, model, prov)
-    if model.cpu_kernels is not None and device.type == "cpu":
-        prov.put("cpu_kernels", *model.cpu_kernels)
-    host_experts, tiered = tiered_line(model, device)
+    if lm.cpu_kernels is not None and device.type == "cpu":
+        prov.put("cpu_kernels", *lm.cpu_kernels)
+    host_experts, tiered = tiered_line(lm, device)
     calibrate_tiers(model, prov, device, dtype)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + host_experts
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
     context = args.max_model_len or model_max
-    layout = KVCacheLayout.of(model.cache_specs(dtype, context), args.block_size)
+    layout = KVCacheLayout.of(lm.cache_specs(dtype, context), args.block_size)
     graph_batch = resolve_cudagraph_size(args, device, prov)
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
@@ -223,7 +229,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         graph_batch = _graph_limit(prov, graph_batch, "tiered experts: a step fetches the experts its tokens route "
                                    "to, which a graph cannot replay")
     async_scheduling = bool(args.async_scheduling)
-    if async_scheduling and layout.state_groups and tiered_bytes(model)[1]:
+    if async_scheduling and layout.state_groups and tiered_bytes(lm)[1]:
         raise ValueError("async_scheduling cannot be used with moe_backing mmap on a model with state layers yet: a "
                          "step launched ahead that finds an expert's file changed cannot be taken back (its state "
                          "layers already ran); drop async_scheduling or use moe_backing host")
@@ -253,12 +259,13 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     inputs = PlanInputs(budget, budget_reason, weights, layout.block_bytes // args.block_size, args.block_size,
                         model_max, args.max_num_seqs, device.type == "cpu", activation, graph_bytes, layout.windows,
                         args.max_num_seqs * (1 + drafts) * layout.state_bytes_per_request, drafts, layout.compressions,
-                        args.max_num_seqs * model.config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
+                        args.max_num_seqs * hf_config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
                         layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model),
                         tiered)
     typed: dict[str, int] = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:
+        assert args.kv_cache_memory_bytes is not None  # explicit: the flag was given a value
         typed["kv_cache_memory_bytes"] = parse_bytes(args.kv_cache_memory_bytes)
     plan = plan_memory(inputs, typed, prov.put)
     if tp.world_size > 1:
