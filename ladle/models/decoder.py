@@ -1,8 +1,8 @@
 """The decoder-only causal LM that Qwen3 and Llama share; parameter names follow the HF checkpoints."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
+
+if TYPE_CHECKING:
+    from ladle.models.loading.tensor_parallel import VocabParallelEmbedding
 
 # Checkpoint entries that hold no parameter (old exports saved the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,7 +66,17 @@ def attention_specs(config: Any, dtype: torch.dtype, num_kv_heads: int | None = 
     return [AttentionSpec(num_kv_heads, head_dim_of(config), dtype, w) for w in layer_windows(config)]
 
 
-class DecoderModel(nn.Module):
+class TextModel(nn.Module):
+    """What DecoderForCausalLM reads of the module build_model makes (`model.*` in the checkpoint): this file's
+    DecoderModel, or Qwen3.5's HybridModel."""
+
+    # nn.Embedding as built; a GGUF file's blocks (use_ggml_embedding) or this rank's rows (shard) replace it
+    embed_tokens: nn.Embedding | GgmlEmbedding | VocabParallelEmbedding
+    layers: nn.ModuleList
+    rotary_emb: RotaryEmbedding
+
+
+class DecoderModel(TextModel):
     def __init__(self, config: Any, qk_norm: bool, make_mlp: MlpFactory, qkv_bias: bool | None = None) -> None:
         super().__init__()
         self.layer_group = layer_groups(attention_specs(config, torch.float32))
@@ -82,7 +95,7 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         attn: BackendMetadata | tuple[BackendMetadata, ...],
     ) -> torch.Tensor:
         """attn: the step's metadata per KV cache group (or one, for a model with one group)."""
@@ -109,6 +122,10 @@ class DecoderForCausalLM(nn.Module):
     supports_mtp: ClassVar[bool] = False  # a subclass with an MTP layer says True and meets SupportsMtp
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def expert_cache(self) -> ExpertCache | None:
         cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
         return cache if isinstance(cache, ExpertCache) else None
@@ -121,14 +138,16 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
         return dense_mlp(config, layer_idx)
 
-    def build_model(self, config: Any) -> nn.Module:
+    def build_model(self, config: Any) -> TextModel:
         """The layers, embedding and final norm (`model.*` in the checkpoint)."""
         return DecoderModel(config, self.qk_norm, self.make_mlp, self.qkv_bias)
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """What each layer keeps per request (ladle.kv_cache.specs), with the cache in dtype (max_model_len
         matters only to models whose per-request state grows with it)."""
-        return attention_specs(self.config, dtype, self.model.layers[0].self_attn.num_kv_heads)
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)  # DecoderModel's layers (Qwen3.5 says its own cache_specs)
+        return attention_specs(self.config, dtype, layer.self_attn.num_kv_heads)
 
     def shard(self, tp: TensorParallel) -> dict:
         """Shard this model (still on the meta device) for rank tp.rank; returns the checkpoint slices it
@@ -143,8 +162,9 @@ class DecoderForCausalLM(nn.Module):
         self.model = self.build_model(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all, so no device move or meta init can split the pair.
-        self.lm_head = (None if self.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # an nn.Linear as built; a GGUF file's blocks (use_ggml_linears) or, on CPU, its stand-in (lay_out_for_cpu)
+        self.lm_head: nn.Linear | GgmlLinear | CpuLinear | CpuHead | None = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.cpu_head: CpuHead | CpuLinear | GgmlLinear | None = None
         self.tp: TensorParallel = SINGLE  # the head is vocab-parallel when sharded
 
@@ -155,19 +175,24 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: BackendMetadata | tuple[BackendMetadata, ...],
+        caches: list[tuple[torch.Tensor, ...]],
+        meta: BackendMetadata | tuple[BackendMetadata, ...],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn)
+        return self.model(input_ids, positions, caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> fp32 logits [N, vocab], computed in the model dtype like HF. Sharded, each
         rank computes its vocabulary rows and rank 0 gets them all; the other ranks get None."""
         if self.cpu_head is not None:
             return self.tp.gather_to_driver(self.cpu_head(hidden).float())
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_to_driver(F.linear(hidden, weight).float())
+        return self.tp.gather_to_driver(F.linear(hidden, self._head_weight()).float())
+
+    def _head_weight(self) -> torch.Tensor:
+        """The head's weight: the tied embedding's, or the untied head's own."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        assert not isinstance(head, CpuHead)  # a CpuHead stands in for the head only where cpu_head runs it
+        return head.weight
 
     def lay_out_for_cpu(self) -> None:
         """After loading, on CPU: every linear layer (the head too) as a CpuLinear over its own weight, or, where
@@ -175,7 +200,7 @@ class DecoderForCausalLM(nn.Module):
         (ladle.models.layers.cpu_linear; a no-op where oneDNN cannot pack this dtype here). A tied head keeps the
         embedding as it is (it gathers rows), so packed head layouts are extra memory, counted as weights. A head
         kept in a GGUF file's blocks (its own, or the tied embedding's) reads them through GgmlLinear."""
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self._head_weight()
         blocks = self._block_head()
         try:
             kernels = load_cpu_kernels()
@@ -215,7 +240,7 @@ class DecoderForCausalLM(nn.Module):
             return
         self.cpu_kernels = ("onednn", f"weights packed for oneDNN; ladle's C kernels are unavailable here ({why})")
         packed = None if head is None else pack(head)
-        if packed is not None:
+        if head is not None and packed is not None:
             self.cpu_head = CpuHead(head, packed)
             if self.lm_head is not None:  # the untied head's weight now lives only in cpu_head, which stands in
                 self.lm_head = self.cpu_head
@@ -252,7 +277,7 @@ _QUANTIZED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
 
 
 def copy_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    targets: dict[str, torch.Tensor]) -> set[str]:
+                    targets: Mapping[str, torch.Tensor]) -> set[str]:
     """Copy each (name, tensor) into targets[name] (a parameter or buffer), or into the view of a stacked
     parameter a module's checkpoint_views gives; returns the targets fully loaded (a stacked one once every
     tensor it holds arrived). Raises on a name with no target or a shape mismatch."""

@@ -32,9 +32,16 @@ class CausalLM(Protocol):
         """The device slots the tiered routed experts share (ladle.models.loading.expert_tiering registers it
         as the submodule `expert_cache` at load, so its buffers count as weights); None: nothing is tiered."""
 
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the logits compute_logits gives (the config's vocab_size, whole on every rank)."""
+
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """A checkpoint tensor's name as this model's parameters have it (the model's own renames on load)."""
+
+    def __init__(self, config: Any) -> None:
+        """Built from the HF config (on the meta device, by the loader)."""
 
     def cache_specs(self, dtype: torch.dtype, max_model_len: int | None = None) -> list[CacheSpec]:
         """What each cache layer keeps per request (ladle.kv_cache.specs)."""
@@ -59,6 +66,8 @@ class CausalLM(Protocol):
         """After loading, on CPU: put the weights in the layouts the CPU kernels read."""
 
     # The nn.Module surface the engine uses.
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
+                 meta: Any) -> torch.Tensor: ...
     def parameters(self) -> Iterator[nn.Parameter]: ...
     def buffers(self) -> Iterator[torch.Tensor]: ...
     def modules(self) -> Iterator[nn.Module]: ...

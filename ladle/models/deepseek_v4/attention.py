@@ -108,7 +108,8 @@ class Dsv4Attention(nn.Module):
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, ...],
                  attn: BackendMetadata) -> None:
         """A sliding layer's K=V vectors at these positions into its window's pool, and nothing else."""
-        self._write_window(x, *rope(positions, x.dtype), kv_cache, attn)
+        cos, sin = rope(positions, x.dtype)
+        self._write_window(x, cos, sin, kv_cache, attn)
 
     def _write_window(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> torch.Tensor:
@@ -147,6 +148,7 @@ class Dsv4Attention(nn.Module):
                 if self.indexer is None:
                     picks.append(None)
                     continue
+                assert c.index_meta is not None  # given wherever the layer has an indexer (asserted above)
                 rows = slice(cu[i], cu[i + 1])
                 keys = keys_pool[entry_slots(c.index_meta.block_tables[i], 0, idx_counts[i], keys_per_block)]
                 picks.append(self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], keys,
@@ -168,7 +170,7 @@ def sink_backend(attn: BackendMetadata) -> SupportsSinkAttention:
     return attn.backend
 
 
-def grouped_projection(layer: nn.Module, grouped: torch.Tensor) -> torch.Tensor:
+def grouped_projection(layer: nn.Linear | Fp8Linear, grouped: torch.Tensor) -> torch.Tensor:
     """grouped [T, G, I] through the block-diagonal wo_a (group g's output rows read group g's inputs) ->
     [T, G, R]. FP8 weights are widened a group's rows at a time, never the whole layer."""
     _, groups, _ = grouped.shape

@@ -44,6 +44,14 @@ def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 class Block(nn.Module):
+    # the hyper-connection mixes' parameters, set by name in __init__
+    hc_attn_fn: nn.Parameter
+    hc_attn_base: nn.Parameter
+    hc_attn_scale: nn.Parameter
+    hc_ffn_fn: nn.Parameter
+    hc_ffn_base: nn.Parameter
+    hc_ffn_scale: nn.Parameter
+
     def __init__(self, config: Any, layer_type: str, mlp_type: str) -> None:
         super().__init__()
         h, n = config.hidden_size, config.hc_mult

@@ -44,6 +44,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     supports_mtp: ClassVar[bool] = True
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def expert_cache(self) -> ExpertCache | None:
         cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
         return cache if isinstance(cache, ExpertCache) else None
@@ -116,7 +120,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                                        compress_rate=config.compress_rates[config.layer_types[i]],
                                        block_scale=d // config.index_head_dim))
         for i in self.compressed:
-            shapes = tuple(self.layers[i].attn.state_shapes())
+            block = self.layers[i]
+            assert isinstance(block, Block)  # the layers are Blocks
+            shapes = tuple(block.attn.state_shapes())
             specs.append(StateSpec(shapes, (dtype,) * len(shapes), f"{config.layer_types[i]} compressor state"))
         return specs + ([window] if self.mtp is not None else [])
 
@@ -142,9 +148,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         keys = self.index_layer.get(layer)
         smeta = meta[self.layer_group[state]]
         assert isinstance(smeta, StateMetadata)
-        return CompressedCaches(caches[entries][0], meta[self.layer_group[entries]],  # type: ignore[arg-type]
+        return CompressedCaches(caches[entries][0], meta[self.layer_group[entries]],
                                 None if keys is None else caches[keys][0],
-                                None if keys is None else meta[self.layer_group[keys]],  # type: ignore[arg-type]
+                                None if keys is None else meta[self.layer_group[keys]],
                                 caches[state], smeta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,6 +187,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def init_dummy_buffers(self, generator: torch.Generator) -> None:
         """Random weights need a valid hash table too: each token to top_k distinct experts."""
         for layer in self.layers:
+            assert isinstance(layer, Block)  # the layers are Blocks
             gate = layer.ffn.gate
             if gate.hashed:
                 e = self.config.n_routed_experts

@@ -30,6 +30,8 @@ class Gate(nn.Module):
     """The router: sqrtsoftplus (or softmax / sigmoid) scores; the experts come from top-k of score + bias,
     or from the frozen tid2eid table of a hash layer; their scores, renormalised, times routed_scaling_factor."""
 
+    tid2eid: torch.Tensor  # a registered buffer, on hash layers only
+
     def __init__(self, config: Any, hashed: bool) -> None:
         super().__init__()
         self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor

@@ -16,6 +16,7 @@ streaming GEMV (3.0 ms against 6.4 ms packed, when the fallback was the default 
 from __future__ import annotations
 
 import sys
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +39,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+@runtime_checkable
+class UsesCpuKernels(Protocol):
+    """A layer with a C-kernel path of its own (the quantized layers, FusedMoE), handed the kernels on CPU."""
+
+    def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None: ...
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight lives only in packed form (the same values, so the same memory)."""
+
+    packed_weight: torch.Tensor  # a registered buffer
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
@@ -72,6 +82,9 @@ def pack_linears(root: nn.Module) -> int:
 
 class CpuHead(nn.Module):
     """The LM head on CPU: column-major for one row (a streaming GEMV), packed for more."""
+
+    packed: torch.Tensor  # registered buffers
+    column_major: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
         super().__init__()
@@ -132,6 +145,6 @@ def use_cpu_linears(root: nn.Module, kernels: CpuKernels) -> int:
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
                 setattr(parent, name, CpuLinear(child.weight, child.bias, kernels))
                 replaced += 1
-            elif hasattr(child, "use_cpu_kernels"):  # a quantized layer (ladle.quantization): one shared buffer
+            elif isinstance(child, UsesCpuKernels):  # a quantized layer (ladle.quantization): one shared buffer
                 child.use_cpu_kernels(kernels, native_bf16, buffer)
     return replaced

@@ -30,7 +30,8 @@ class CpuOps(TorchOps):
         return (x.dtype in _DTYPES and x.shape[-1] <= _MAX_DIM and x.device.type == "cpu"
                 and all(t is None or (t.dtype == x.dtype and t.is_contiguous()) for t in others))
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # an instance method over TorchOps' static one: it reads the instance's C kernels (callers hold an ops instance)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         if not self._covered(x, weight) or x.numel() == 0:
             return TorchOps.rms_norm(x, weight, eps)
         x2 = _rows(x)

@@ -41,8 +41,15 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def narrow_rows(start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of rows start:start+size of a tensor (a shard's rows of a fused parameter)."""
+    return lambda p: p.narrow(0, start, size)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for explicit per-token positions; inv_freq comes from HF's own rope init functions."""
+
+    inv_freq: torch.Tensor  # a registered buffer
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -104,8 +111,7 @@ class StackedLinear(nn.Linear):
         views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
         for shard, (start, size) in self.shards.items():
             for kind, _ in self.named_parameters():
-                views[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}",
-                                                      lambda p, start=start, size=size: p.narrow(0, start, size))
+                views[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}", narrow_rows(start, size))
         return views
 
 

@@ -87,6 +87,7 @@ def torch_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         rec_state[slots] = new
     drafting = meta.drafting()
     for i in drafting:  # a decode token and its drafts, one recurrent step each, each state kept for a rollback
+        assert meta.draft_rows is not None  # drafting() lists requests only where draft_rows is set
         slot, keep = meta.slots_host[i], meta.draft_rows[i]
         state = rec_state[slot][None]
         for j, r in enumerate(range(cu[i], cu[i + 1])):

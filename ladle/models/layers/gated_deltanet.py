@@ -103,6 +103,7 @@ class GatedDeltaNet(OpsModule):
             conv_state[slots] = full[:, :, 1:]
         drafting = meta.drafting()
         for i in drafting:  # a decode token and its drafts, one at a time, each state kept for a rollback
+            assert meta.draft_rows is not None  # drafting() lists requests only where draft_rows is set
             slot, keep = meta.slots_host[i], meta.draft_rows[i]
             for j, r in enumerate(range(cu[i], cu[i + 1])):
                 full = torch.cat((conv_state[slot][None], mixed[r][None, :, None]), dim=-1)  # [1, C, K]

@@ -15,6 +15,7 @@ from torch import nn
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.experts.backing import HostBacking
 from ladle.experts.tiered import TieredExperts
+from ladle.kernels.cpu_kernels import CpuKernels
 from ladle.models.interface import RoutedExperts
 from ladle.models.layers.decoder_layer import GatedMLP
 from ladle.models.layers.ops import OpsModule
@@ -31,6 +32,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype), ids
+
+
+def _expert(j: int, rows: slice | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of expert j's slot of a stacked parameter (rows: a part of its rows)."""
+    return lambda p: p[j] if rows is None else p[j, rows]
 
 
 class FusedMoE(OpsModule):
@@ -51,12 +57,12 @@ class FusedMoE(OpsModule):
         self.weight_format: str | None = None
         self.scale_block = (1, 1)
         self.keep_dtypes: tuple[str, ...] = ()  # the stacks the loader's cast leaves alone (quantized ones)
-        self.kernels: Any = None  # ladle.kernels.cpu_kernels.CpuKernels for quantized experts, set on CPU
+        self.kernels: CpuKernels | None = None  # for quantized experts, set on CPU
         self.buffer: WidenBuffer | None = None  # the model's workspace a prefill widens an expert into
         # set by ladle.models.loading.expert_tiering: the experts live off the device
         self.tiered: TieredExperts | None = None
 
-    def use_cpu_kernels(self, kernels: Any, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer
 
     def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
@@ -132,13 +138,15 @@ class FusedMoE(OpsModule):
         gate, up, down = self.names
         half = size // self.scale_block[0]  # the gate's rows of the stacked scale grid
         for j in range(self.num_experts):
-            views[f"{prefix}.{j}.{gate}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, :size])
-            views[f"{prefix}.{j}.{up}.weight"] = (f"{prefix}.w13", lambda p, j=j: p[j, size:])
-            views[f"{prefix}.{j}.{down}.weight"] = (f"{prefix}.w2", lambda p, j=j: p[j])
+            views[f"{prefix}.{j}.{gate}.weight"] = (f"{prefix}.w13", _expert(j, slice(None, size)))
+            views[f"{prefix}.{j}.{up}.weight"] = (f"{prefix}.w13", _expert(j, slice(size, None)))
+            views[f"{prefix}.{j}.{down}.weight"] = (f"{prefix}.w2", _expert(j))
             if self.weight_format is not None:
-                views[f"{prefix}.{j}.{gate}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, :half])
-                views[f"{prefix}.{j}.{up}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv", lambda p, j=j: p[j, half:])
-                views[f"{prefix}.{j}.{down}.weight_scale_inv"] = (f"{prefix}.w2_scale_inv", lambda p, j=j: p[j])
+                views[f"{prefix}.{j}.{gate}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv",
+                                                                  _expert(j, slice(None, half)))
+                views[f"{prefix}.{j}.{up}.weight_scale_inv"] = (f"{prefix}.w13_scale_inv",
+                                                                _expert(j, slice(half, None)))
+                views[f"{prefix}.{j}.{down}.weight_scale_inv"] = (f"{prefix}.w2_scale_inv", _expert(j))
         return views
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

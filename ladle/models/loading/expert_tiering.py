@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from ladle.experts.expert_files import ExpertFiles
 from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
+from ladle.models.interface import CausalLM
 from ladle.models.layers.moe import FusedMoE
 
 
@@ -87,6 +88,7 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
                                    for n, (s, d) in shapes.items()})
         m.tiered = TieredExperts(layer, backing, cache, policy, m.num_experts)
     for (_, m), (_, following) in pairwise(layers):
+        assert m.tiered is not None  # set for every layer just above
         m.tiered.next = following.tiered
     model.expert_cache = cache  # nn.Module registers it as a submodule, which the model's expert_cache reads
     return skip
@@ -99,11 +101,12 @@ def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
     of which expert's slot tensor it fills (from the view the layer's checkpoint_views gives, applied to the
     meta stack)."""
     views = checkpoint_views(model)
-    name_of = model.checkpoint_name
+    name_of = cast(CausalLM, model).checkpoint_name  # the loader tiers the CausalLM it built
     parts: dict[str, dict[int, list[FilePart]]] = {}
     skip: set[str] = set()
     for raw, loc in tensor_locations(files).items():
-        target, view = views.get(name_of(renames.get(raw, raw)), ("", None))
+        found = views.get(name_of(renames.get(raw, raw)))
+        target, view = found if found is not None else ("", None)
         prefix, _, param = target.rpartition(".")
         stack = stacks.get(prefix, {}).get(param)
         if stack is None or view is None:
@@ -111,7 +114,7 @@ def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
         v = view(stack)
         if tuple(v.shape) != loc.shape:
             raise ValueError(f"{raw}: checkpoint shape {loc.shape} != expert tensor {tuple(v.shape)}")
-        expert, within = divmod(v.storage_offset(), stack.stride(0))
+        expert, within = divmod(int(v.storage_offset()), stack.stride(0))
         if not compatible(loc.dtype, shapes[param][1]):
             raise ValueError(f"{raw}: checkpoint dtype {loc.dtype} where the tiered expert holds {shapes[param][1]}")
         parts.setdefault(prefix, {}).setdefault(expert, []).append(FilePart(param, within // stack.stride(1), loc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -152,6 +153,7 @@ def load_model(
     slices, renames = None, {}
     with torch.device("meta"):
         model = model_cls(config)
+        assert isinstance(model, nn.Module)  # every model class is an nn.Module as well as a CausalLM
         if mtp:
             _enable_mtp(model, tp.world_size)
         if tp.world_size > 1:
@@ -187,6 +189,7 @@ def load_model(
         if gguf is not None:  # tiering reads experts from safetensors files when it needs them
             raise ValueError(f"{gguf.name}: tiered experts (moe_cache_size / moe_strategy) cannot be used with a "
                              "GGUF checkpoint yet; give a memory_budget that holds every expert")
+        assert inventory is not None  # taken whenever tiering is given
         skip = tier_experts(model, tiered, dtype, device, files, renames, inventory.top_k)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
@@ -215,7 +218,7 @@ def load_model(
     return model.requires_grad_(False).eval(), config
 
 
-def gguf_block_types(path: os.PathLike, config: Any) -> dict[str, str]:
+def gguf_block_types(path: str | Path, config: Any) -> dict[str, str]:
     """HF weight name -> the ggml type its GGUF tensor is stored in, for the decoder layers' linears, the
     embedding and an untied head (a tied head is the embedding's table: ladle.quantization.ggml_embedding)."""
     from ladle.gguf.config import architecture_of
@@ -227,7 +230,7 @@ def gguf_block_types(path: os.PathLike, config: Any) -> dict[str, str]:
             if t.hf_name.startswith(("model.layers.", "model.embed_tokens.", "lm_head."))}
 
 
-def gguf_weights(path: os.PathLike, config: Any, keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str | Path, config: Any, keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """A GGUF file's tensors under HF names, each checked against config before any is read (a missing or
     misshapen one fails naming it): the names in keep as their block bytes (GgmlLinear), every other tensor
     widened to float32 one at a time (the loader casts it to the model dtype), a MoE layer's stacked experts

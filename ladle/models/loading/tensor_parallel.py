@@ -13,7 +13,9 @@ rank loads (ladle.models.loading.loader reads only that slice from the safetenso
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +133,26 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
-def shard_decoder(model: nn.Module, tp: TensorParallel) -> Slices:
+class ShardedDecoder(Protocol):
+    """What shard_decoder reads and replaces of a DecoderForCausalLM (said by its shape: ladle.models.decoder
+    imports this file)."""
+
+    config: Any
+    tp: TensorParallel
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def lm_head(self) -> nn.Module | None: ...
+
+    @lm_head.setter
+    def lm_head(self, value: nn.Linear) -> None: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+
+def shard_decoder(model: ShardedDecoder, tp: TensorParallel) -> Slices:
     """Shard a DecoderForCausalLM (built on meta) in place for rank tp.rank; returns what it loads."""
     slices: Slices = {}
     for name, module in list(model.named_modules()):

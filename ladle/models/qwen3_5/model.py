@@ -16,7 +16,7 @@ from ladle.attention.backend import BackendMetadata
 from ladle.attention.metadata import StateMetadata
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
-from ladle.models.decoder import DecoderForCausalLM, MlpFactory
+from ladle.models.decoder import DecoderForCausalLM, MlpFactory, TextModel
 from ladle.models.layers.cpu_linear import pack_linears, use_cpu_linears
 from ladle.models.layers.decoder_layer import RotaryEmbedding, StackedLinear, head_dim_of
 from ladle.models.layers.gated_deltanet import GatedDeltaNet, state_spec
@@ -113,7 +113,7 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridModel(nn.Module):
+class HybridModel(TextModel):
     def __init__(self, config: Any, specs: list[CacheSpec], make_mlp: MlpFactory) -> None:
         super().__init__()
         self.layer_group = layer_groups(specs)
@@ -197,13 +197,15 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def lay_out_for_cpu(self) -> None:
         """The MTP layer's linears as the model's own (ladle.models.layers.cpu_linear)."""
         super().lay_out_for_cpu()
-        kind = None if self.mtp is None or self.cpu_kernels is None else self.cpu_kernels[0]
+        if self.mtp is None or self.cpu_kernels is None:
+            return
+        kind = self.cpu_kernels[0]
         if kind == "ladle-c":
             use_cpu_linears(self.mtp, load_cpu_kernels())
         elif kind == "onednn":
             pack_linears(self.mtp)
 
-    def build_model(self, config: Any) -> nn.Module:
+    def build_model(self, config: Any) -> TextModel:
         unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}")

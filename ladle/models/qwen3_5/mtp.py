@@ -10,7 +10,7 @@ the next draft (vLLM's qwen3_5_mtp does the same).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,22 @@ def check_mtp_layers(config: Any) -> None:
     if n != 1:
         raise ValueError(f"speculative_config method 'mtp' needs a checkpoint with one MTP layer "
                          f"(mtp_num_hidden_layers = 1 in its config); this one has {n}")
+
+
+class KvWriter(Protocol):
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                 attn: BackendMetadata) -> None: ...
+
+
+class AttentionLayer(Protocol):
+    """What write_kv reads of the layer: Qwen3.5's HybridLayer with full attention (said by its shape, as
+    ladle.models.qwen3_5.model imports this file)."""
+
+    @property
+    def input_layernorm(self) -> nn.Module: ...
+
+    @property
+    def self_attn(self) -> KvWriter: ...
 
 
 class MultiTokenPredictor(nn.Module):
@@ -50,7 +66,7 @@ class MultiTokenPredictor(nn.Module):
     def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, ...], attn: BackendMetadata) -> None:
         """Only the layer's K/V at these positions: a fraction of the layer (no queries, attention or MLP)."""
-        layer = self.layers[0]
+        layer = cast(AttentionLayer, self.layers[0])  # the full-attention layer enable_mtp builds it with
         layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), cos, sin, kv_cache, attn)
 
     def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
