@@ -4,7 +4,7 @@ checkpoint's tail page, in step order (a restore before the forward that reads i
 forward that reached the position)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -11,12 +11,15 @@ CPU) the same padded inputs run eagerly, which is how the padding is tested with
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 
 from ladle.attention.groups import AttentionGroup
+from ladle.models.interface import CausalLM
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
@@ -55,7 +58,7 @@ def capture_sizes(sizes: tuple[int, ...], inputs_for: Callable[[int], StepInputs
     graphs: dict[int, Captured] = {}
     for size in sorted(sizes, reverse=True):
         inputs = inputs_for(size)
-        graphs[size] = capture_graph(lambda: forward(inputs), device, pool)
+        graphs[size] = capture_graph(partial(forward, inputs), device, pool)
         pool = graphs[size].graph.pool()
     torch.cuda.synchronize(device)
     return graphs, pool
@@ -63,7 +66,7 @@ def capture_sizes(sizes: tuple[int, ...], inputs_for: Callable[[int], StepInputs
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
+        self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
         max_model_len: int, max_batch: int, device: torch.device, groups: tuple[AttentionGroup, ...],
         buffers: StepBuffers | None = None,
     ) -> None:
@@ -96,7 +99,9 @@ class DecodeGraphs:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_groups)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None  # the graphs run on the driver rank (ladle.executor), which gets the logits
+        return logits
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:

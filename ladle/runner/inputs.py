@@ -28,7 +28,9 @@ class StepInputs:
     @property
     def attn(self) -> BackendMetadata:
         """The metadata of a model with one KV cache group."""
-        return self.attn_groups[0]
+        first = self.attn_groups[0]
+        assert isinstance(first, BackendMetadata)  # that one group is paged, and paged groups come first
+        return first
 
     @property
     def num_tokens(self) -> int:

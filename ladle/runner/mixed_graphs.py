@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ladle.attention.groups import AttentionGroup
+from ladle.models.interface import CausalLM
 from ladle.runner.cuda_graphs import Captured, capture_sizes
 from ladle.runner.inputs import StepInputs, fill_inputs, reserve_inputs
 from ladle.runner.step_batch import StepBatch
@@ -31,7 +32,7 @@ _PREFIX = "mixed_graph."
 
 class MixedGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
+        self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
         max_model_len: int, max_tokens: int, max_num_seqs: int, device: torch.device,
         groups: tuple[AttentionGroup, ...], buffers: StepBuffers | None = None,
     ) -> None:

@@ -6,7 +6,7 @@ the plain StateUpdate the engine sends each step (ladle.runner.payload); it neve
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -16,21 +16,22 @@ from ladle.attention.selector import select_backend
 from ladle.kernels.cpu_kernels import CpuKernels, KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import StateGroup, paged_group
+from ladle.models.interface import CausalLM, SupportsMtp
 from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
 from ladle.runner.inputs import StepInputs, build_step_inputs
-from ladle.runner.mtp_drafter import MtpDrafter
-from ladle.runner.step_batch import StepBatch
 from ladle.runner.mixed_graphs import MixedGraphs
+from ladle.runner.mtp_drafter import MtpDrafter
 from ladle.runner.payload import FAILED, PROMPT_ONLY, ChunkSpec, PendingStep, SampledToken, StateUpdate
+from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.prompt_logprobs import PromptChunk, compute_prompt_logprobs, prompt_chunks
 from ladle.runner.runner_requests import RunnerRequests
 from ladle.runner.sampler import Sampler, SamplerOutput
-from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import SamplingBatch, SamplingMetadata
 from ladle.runner.spec_verify import accept, count_drafts, roll_back_states, row_owners, sampled_positions
+from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
 
 
@@ -59,7 +60,7 @@ def _cpu_kernels() -> CpuKernels | None:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         block_size: int, device: torch.device, block_tables: list[BlockTableBuffer] | None = None,
         groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
         max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
@@ -92,11 +93,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode-only steps
         self.mixed_graphs: MixedGraphs | None = None  # steps with a prefill chunk
         self.buffers = StepBuffers(device)
-        self.requests = RunnerRequests(block_tables, PenaltyCounts(max_num_seqs, model.config.vocab_size, device))
+        self.requests = RunnerRequests(block_tables, PenaltyCounts(max_num_seqs, model.vocab_size, device))
         # The sampling side of the last batch, reused while the same requests sample in the same order.
         self._sampling: tuple[tuple[int, tuple[str, ...]], SamplingBatch] | None = None
-        self.drafter = MtpDrafter(model, mtp_drafts, block_size, device, self.groups, self.requests) \
-            if mtp_drafts else None
+        # mtp_drafts only where the loader enabled the MTP layer, which it does on a class saying supports_mtp
+        self.drafter = MtpDrafter(cast(SupportsMtp, model), mtp_drafts, block_size, device, self.groups,
+                                  self.requests) if mtp_drafts else None
 
     @property
     def penalties(self) -> PenaltyCounts:

@@ -25,21 +25,22 @@ draft runs are one token a sampled row.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
+from ladle.attention.backend import BackendMetadata
 from ladle.attention.groups import AttentionGroup
 from ladle.kv_cache.specs import layer_groups
+from ladle.models.interface import SupportsMtp
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.payload import ChunkSpec
 from ladle.runner.runner_requests import RunnerRequests
 from ladle.runner.step_batch import StepBatch
 from ladle.runner.step_buffers import StepBuffers
 
+
 class MtpDrafter:
-    def __init__(self, model: Any, num_speculative_tokens: int, block_size: int, device: torch.device,
+    def __init__(self, model: SupportsMtp, num_speculative_tokens: int, block_size: int, device: torch.device,
                  groups: tuple[AttentionGroup, ...], requests: RunnerRequests) -> None:
         self.model = model
         self.k = num_speculative_tokens
@@ -81,13 +82,13 @@ class MtpDrafter:
                     positions.append(s.start_pos + at - start)
             start += n
         ids = torch.from_numpy(next_ids).to(self.device)
-        self.model.mtp_forward(ids, inputs.positions, hidden, kv_caches[self.layer], inputs.attn_groups[self.group],
+        self.model.mtp_forward(ids, inputs.positions, hidden, kv_caches[self.layer], self._attn(inputs),
                                write_only=True)
         if not rows:
             return {}
-        at = [r[1] for r in rows]
-        last = self._run_on([r[0] for r in rows], next_ids[at].tolist(), positions,
-                            hidden[torch.tensor(at, device=self.device)], kv_caches)
+        kept_at = [r[1] for r in rows]
+        last = self._run_on([r[0] for r in rows], next_ids[kept_at].tolist(), positions,
+                            hidden[torch.tensor(kept_at, device=self.device)], kv_caches)
         drafts = [[t] for t in self._argmax(last)]
         live = list(range(len(rows)))  # the rows `last` holds the MTP output of, in its order
         for step in range(1, self.k):
@@ -105,7 +106,14 @@ class MtpDrafter:
         return {rows[i][0]: tuple(d) for i, d in enumerate(drafts)}
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        return self.model.mtp_logits(hidden).argmax(dim=-1).tolist()
+        logits = self.model.mtp_logits(hidden)
+        assert logits is not None  # None only on a tensor-parallel rank other than the driver; mtp runs without
+        return logits.argmax(dim=-1).tolist()
+
+    def _attn(self, inputs: StepInputs) -> BackendMetadata:
+        attn = inputs.attn_groups[self.group]
+        assert isinstance(attn, BackendMetadata)  # the MTP layer's cache is a paged layer's
+        return attn
 
     def _has_room(self, request_id: str, position: int) -> bool:
         """Whether the request's table reaches this position (the draft run writes the MTP cache there)."""
@@ -120,5 +128,7 @@ class MtpDrafter:
         tables = self.requests.tables([ChunkSpec(r, p, 1, True) for r, p in zip(request_ids, positions)],
                                       self.block_size)
         inputs = build_step_inputs(batch, self.block_size, self.device, tables, self.groups, 0, self.buffers)
-        return self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, kv_caches[self.layer],
-                                      inputs.attn_groups[self.group])
+        out = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, kv_caches[self.layer],
+                                     self._attn(inputs))
+        assert out is not None  # None only with write_only
+        return out

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.sampling_params import SamplingParams
 from ladle.runner.block_table import BlockTableBuffer
-from ladle.runner.step_batch import StepBatch
 from ladle.runner.payload import ChunkSpec, StateUpdate
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import penalized
+from ladle.runner.step_batch import StepBatch
+from ladle.sampling_params import SamplingParams
 
 
 @dataclass

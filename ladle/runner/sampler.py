@@ -21,7 +21,7 @@ import torch
 from ladle.kernels.cpu_kernels import CpuKernels
 from ladle.outputs import Logprob
 from ladle.runner.payload import FAILED
-from ladle.runner.sampling_batch import FilterSplit, Filters, SamplingBatch, SamplingMetadata
+from ladle.runner.sampling_batch import Filters, FilterSplit, SamplingBatch, SamplingMetadata
 
 _NEG_INF = float("-inf")
 _F32_MAX = torch.finfo(torch.float32).max
@@ -132,6 +132,7 @@ def _sample(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if b.random_rows is None:  # every row draws
         tokens, unusable = _draw(x.float(), b, meta.uniforms)
         return tokens.masked_fill_(failed | unusable, FAILED)
+    assert b.greedy_rows is not None  # set together with random_rows
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     out.index_copy_(0, b.greedy_rows, x.index_select(0, b.greedy_rows).argmax(dim=-1))
     tokens, unusable = _draw(x.index_select(0, b.random_rows).float(), b, meta.uniforms)
@@ -142,6 +143,7 @@ def _sample(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature, then top_k, top_p, min_p (HF warper order), then the draw: token ids and unusable rows."""
+    assert b.temperature is not None  # set whenever a row draws
     x = (x / b.temperature).clamp(max=_F32_MAX)  # finite as above: huge logits over a small temperature
     split = b.split
     if split is None:
@@ -267,9 +269,10 @@ def logprob_dicts(lp: torch.Tensor, token_ids: torch.Tensor, wants: list[int]) -
         top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
 
     s_ids, s_lp, s_rank = chosen[:, 0].tolist(), chosen_lp[:, 0].tolist(), chosen_rank.tolist()
-    t_ids = top_ids.tolist() if top_ids is not None else None
-    t_vals = top_vals.tolist() if top_vals is not None else None
-    t_ranks = top_ranks.tolist() if top_ranks is not None else None
+    # no top tokens (n == 0) only when every row wants none, so no row reads them
+    t_ids: list[list[int]] = top_ids.tolist() if top_ids is not None else []
+    t_vals: list[list[float]] = top_vals.tolist() if top_vals is not None else []
+    t_ranks: list[list[int]] = top_ranks.tolist() if top_ranks is not None else []
     result = []
     for j, want in enumerate(wants):
         d = {s_ids[j]: Logprob(logprob=s_lp[j], rank=s_rank[j])}

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ladle.sampling_params import SamplingParams
 from ladle.runner.penalty_counts import PenaltyCounts
+from ladle.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # Draws are scaled below 1 - 2**-20, so u x total stays below the total in float32 (ladle.runner.sampler).
@@ -81,7 +81,7 @@ class Filters:
     min_p: torch.Tensor | None
 
     @classmethod
-    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "Filters":
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> Filters:
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_k = torch.tensor(ks, dtype=torch.long).to(device)[:, None] if any(k < vocab for k in ks) else None
         return cls(top_k, None if top_k is None else top_k < vocab,
@@ -90,7 +90,7 @@ class Filters:
                    if any(p.top_p < 1.0 for p in params) else None,
                    _column([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in params) else None)
 
-    def rows(self, index: torch.Tensor) -> "Filters":
+    def rows(self, index: torch.Tensor) -> Filters:
         return Filters(*(None if t is None else t.index_select(0, index)
                          for t in (self.top_k, self.has_top_k, self.top_p, self.min_p)))
 
@@ -109,16 +109,15 @@ class FilterSplit:
     all_top_k: bool  # every filtered row has a top-k, so its candidates hold its whole renormalized mass
 
     @classmethod
-    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "FilterSplit | None":
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> FilterSplit | None:
         keeps_some = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
         filtered = [i for i, f in enumerate(keeps_some) if f]
         if not filtered:
             return None
         plain = [i for i, f in enumerate(keeps_some) if not f]
         ks = [params[i].top_k for i in filtered if 0 < params[i].top_k < vocab]
-        candidates = max([CPU_CANDIDATES, *ks])
-        if device.type != "cpu" or 2 * candidates >= vocab:
-            candidates = None
+        most = max([CPU_CANDIDATES, *ks])
+        candidates = most if device.type == "cpu" and 2 * most < vocab else None
         return cls(_index(plain, device) if plain else None, _index(filtered, device) if plain else None,
                    Filters.of([params[i] for i in filtered], vocab, device), candidates, len(ks) == len(filtered))
 
@@ -127,7 +126,7 @@ class FilterSplit:
 class SamplingMetadata:
     """What the sampler needs for one step: the batch's tensors and this step's draws and masks."""
 
-    batch: "SamplingBatch"
+    batch: SamplingBatch
     uniforms: torch.Tensor | None  # [random rows] on the device: each random row's draw
     blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) of stop tokens min_tokens blocks
     output_counts: torch.Tensor | None  # [penalized rows, vocab] float32: tokens generated so far
@@ -221,6 +220,7 @@ class SamplingBatch:
         if self.penalized is not None:
             if counts is None:
                 raise ValueError("a batch with penalties needs its PenaltyCounts")
+            assert self.counts_rows is not None  # set whenever penalized is
             output_counts, prompt_seen = counts.gather(self.counts_rows)
         allowed = None
         if bitmasks:

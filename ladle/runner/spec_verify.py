@@ -12,7 +12,7 @@ drafts; logprobs are the target's at each kept position.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,8 @@ def count_drafts(counts: torch.Tensor, penalized_rows: list[int], specs: Sequenc
         for j in range(len(s.draft_token_ids) + 1):
             owner.append(s)
             offset.append(j)
-    rows, tokens = [], []
+    rows: list[int] = []
+    tokens: list[int] = []
     for i, r in enumerate(penalized_rows):
         drafts = owner[r].draft_token_ids[: offset[r]]
         rows += [i] * len(drafts)

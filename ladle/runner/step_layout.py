@@ -120,8 +120,9 @@ def _chunk_layout(batch: StepBatch, block_size: int, compressions: tuple[tuple[i
     cu, request, positions = token_layout(starts, lens)
     _check_blocks(batch, context, block_size, compressions)
     tables = _tables(batch, context, block_size, compressions, block_tables)
-    slots = [slot_mapping(t, request, positions, block_size) if comp == (1, 1) else np.zeros(0, dtype=np.int64)
-             for t, comp in zip(tables, compressions)]
+    slots: list[Column] = [slot_mapping(t, request, positions, block_size) if comp == (1, 1)
+                           else np.zeros(0, dtype=np.int64)
+                           for t, comp in zip(tables, compressions)]
     logits, sampled = _sampled(cu, np.array(batch.sample, dtype=bool), batch.num_drafts)
     return StepLayout(batch.token_ids, positions, cu, context, tuple(batch.num_tokens), slots, tables,
                       logits, sampled, batch.start_pos, batch.state_slots, batch.draft_rows)
