@@ -7,13 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
 from ladle.config.engine_args import EngineArgs
 from ladle.experts.cache import ExpertCacheStats
-from ladle.models.interface import CausalLM
 from ladle.runner.model_runner import ModelRunner, StateSnapshot
 from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate
 from ladle.startup.engine_config import EngineConfig
@@ -57,7 +55,7 @@ class Executor:
 
     def expert_cache_stats(self) -> ExpertCacheStats | None:
         """Tiered experts: the cache's counters, from zero now (startup's profiling not counted)."""
-        cache = expert_cache_of(cast(CausalLM, self.runner.model))  # ModelRunner.model is typed nn.Module
+        cache = expert_cache_of(self.runner.model)
         if cache is None:
             return None
         cache.stats = ExpertCacheStats()
