@@ -103,7 +103,7 @@ def main() -> None:
             force_drafts(llm)
         batch_prompts = prompts[:batch]
         # Warm: shapes, the prefix cache for these prompts, and the drafts side's step arms, which settle over a
-        # few hundred steps (ladle.engine.spec_arms) as a server's do early in its life.
+        # few hundred steps (ladle.engine.speculation.arms) as a server's do early in its life.
         decode_run(llm, batch_prompts, 8, f"w{next(tags)}", False)
         decode_run(llm, batch_prompts, args.warmup, f"w{next(tags)}", True)
         runs: dict[bool, list[dict]] = {False: [], True: []}
