@@ -10,10 +10,10 @@ from torch import nn
 
 from ladle.attention.backend import BackendMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
-from ladle.experts.cache import ExpertCache
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, layer_groups
+from ladle.models.interface import ConfiguredModel
 from ladle.models.layers.cpu_linear import CpuHead, CpuLinear, native_bf16_matmul, pack, pack_linears, use_cpu_linears
 from ladle.models.layers.decoder_layer import (
     DecoderLayer,
@@ -110,7 +110,7 @@ class DecoderModel(TextModel):
         return self.norm(x) if residual is None else add_rms_norm(x, residual, self.norm)[0]
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(ConfiguredModel):
     """Subclasses declare the per-model knobs: q/k norm, and the MLP of each layer (dense by default);
     biases are read from the config."""
 
@@ -120,15 +120,6 @@ class DecoderForCausalLM(nn.Module):
     # Which kernels lay_out_for_cpu gave the model, and what they run (a row of the settings table).
     cpu_kernels: tuple[str, str] | None = ("torch", "F.linear")
     supports_mtp: ClassVar[bool] = False  # a subclass with an MTP layer says True and meets SupportsMtp
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def expert_cache(self) -> ExpertCache | None:
-        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
-        return cache if isinstance(cache, ExpertCache) else None
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

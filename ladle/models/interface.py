@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torch import nn
 
+from ladle.experts.cache import ExpertCache
+
 if TYPE_CHECKING:
     import torch
 
     from ladle.attention.backend import BackendMetadata
     from ladle.distributed.parallel_state import TensorParallel
-    from ladle.experts.cache import ExpertCache
     from ladle.kv_cache.specs import CacheSpec
 
 
@@ -88,6 +89,21 @@ class SupportsMtp(CausalLM, Protocol):
 
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The MTP layer's output -> logits, through the model's head."""
+
+
+class ConfiguredModel(nn.Module):
+    """The CausalLM members every model class computes alike from its HF config and its registered modules."""
+
+    config: Any  # the HF config the class was built from
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
+        return cache if isinstance(cache, ExpertCache) else None
 
 
 class RoutedExperts(nn.Module):

@@ -21,7 +21,6 @@ from torch import nn
 
 from ladle.attention.backend import BackendMetadata
 from ladle.attention.metadata import StateMetadata
-from ladle.experts.cache import ExpertCache
 from ladle.kernels.cpu_kernels import KernelUnavailable
 from ladle.kernels.cpu_kernels import load as load_cpu_kernels
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
@@ -30,6 +29,7 @@ from ladle.models.deepseek_v4.attention import LAYER_TYPES, CompressedCaches, Ds
 from ladle.models.deepseek_v4.block import Block, hyper_head
 from ladle.models.deepseek_v4.compressor import Dsv4RMSNorm
 from ladle.models.deepseek_v4.mtp import Dsv4MultiTokenPredictor, check_mtp_layers
+from ladle.models.interface import ConfiguredModel
 from ladle.models.layers.cpu_linear import pack
 from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import Fp8Linear, WidenBuffer
@@ -38,19 +38,10 @@ _RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weigh
             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(ConfiguredModel):
     tensor_parallel: ClassVar[bool] = False  # no sharded form of its attention, compressors or hyper-connections
     cpu_kernels: tuple[str, str] | None = None  # torch's kernels, but for quantized layers (lay_out_for_cpu)
     supports_mtp: ClassVar[bool] = True
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def expert_cache(self) -> ExpertCache | None:
-        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
-        return cache if isinstance(cache, ExpertCache) else None
 
     def __init__(self, config: Any) -> None:
         super().__init__()
