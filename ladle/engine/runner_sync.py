@@ -1,5 +1,6 @@
 """The engine side of the runner's copy of the requests: what the runner has been told of each one, so each
-step's StateUpdate carries only what changed (new or resumed requests whole, the others as diffs)."""
+step's StateUpdate carries only what changed: new or resumed requests whole, the others' new blocks. Their new
+tokens it never sends: the runner appended them itself when it sampled them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,6 @@ from ladle.runner.payload import NewRequest, RequestDiff, StateUpdate
 
 @dataclass
 class _Sent:
-    tokens: int  # leading tokens the runner has
     blocks: list[int]  # leading blocks of each group's table it has
     tables: tuple[list[int], ...]  # the KV manager's table objects they came from
 
@@ -33,8 +33,8 @@ class RunnerSync:
 
     def update(self, sched: SchedulerOutput, kv: KVCacheManager) -> StateUpdate:
         """What the runner needs before it runs `sched`: the requests it does not hold (or holds with an old
-        table, after a preemption) in full, the others' new tokens and blocks, and who left meanwhile (the
-        requests this very schedule preempted among them)."""
+        table, after a preemption) in full, the others' new blocks, and who left meanwhile (the requests this
+        very schedule preempted among them)."""
         for rid in sched.preempted_ids:
             self.forget(rid)
         update = StateUpdate(removed=self._removed)
@@ -42,25 +42,20 @@ class RunnerSync:
         groups = kv.groups
         for s in sched.scheduled:
             req, rid = s.request, s.request.request_id
-            tokens = req.all_token_ids
             seen = self._sent.get(rid)
             if seen is None:
                 tables = tuple(g.tables[rid] for g in groups)
-                update.new_requests.append(NewRequest(rid, list(tokens), req.num_prompt_tokens, req.sampling_params,
-                                                      req.stop_token_ids, tuple(list(t) for t in tables),
-                                                      kv.state_slots.get(rid, -1), kv.restores.pop(rid, None)))
-                self._sent[rid] = _Sent(len(tokens), [len(t) for t in tables], tables)
+                update.new_requests.append(NewRequest(rid, list(req.all_token_ids), req.num_prompt_tokens,
+                                                      req.sampling_params, req.stop_token_ids,
+                                                      tuple(list(t) for t in tables), kv.state_slots.get(rid, -1),
+                                                      kv.restores.pop(rid, None)))
+                self._sent[rid] = _Sent([len(t) for t in tables], tables)
                 continue
-            # A decode step adds one token and, every block_size tokens, one block: build only what changed.
+            # A decode step adds a block every block_size tokens: most steps send nothing for a request.
             grew = False
             for t, n in zip(seen.tables, seen.blocks):
                 grew = grew or len(t) > n
-            if len(tokens) == seen.tokens and not grew:
-                continue
-            new_blocks = tuple(t[n:] for t, n in zip(seen.tables, seen.blocks)) if grew else ()
-            update.diffs.append(RequestDiff(rid, tokens[seen.tokens :], new_blocks))
-            seen.tokens = len(tokens)
             if grew:
+                update.diffs.append(RequestDiff(rid, tuple(t[n:] for t, n in zip(seen.tables, seen.blocks))))
                 seen.blocks = [len(t) for t in seen.tables]
         return update
-

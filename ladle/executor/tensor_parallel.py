@@ -35,7 +35,7 @@ from ladle.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from ladle.executor.executor import Executor, FatalStepError
-from ladle.runner.payload import ChunkSpec, PendingStep, SampledToken, StateUpdate
+from ladle.runner.payload import ChunkSpec, NewTokens, PendingStep, SampledToken, StateUpdate, new_tokens
 from ladle.startup.setup import build_runner, load_and_plan
 
 logger = logging.getLogger("ladle")
@@ -54,7 +54,9 @@ class RankSetup:
 
 @dataclass(frozen=True)
 class RunStep:
-    """One step for the other ranks: the StateUpdates since the last one, then the step's chunks."""
+    """One step for the other ranks: the tokens rank 0 sampled in the last step (they sample none themselves),
+    the StateUpdates since, then the step's chunks."""
+    new_tokens: dict[str, NewTokens]
     updates: list[StateUpdate]
     specs: list[ChunkSpec]
 
@@ -154,6 +156,7 @@ class TensorParallelExecutor(Executor):
             raise
         self._adopt(loaded, build_runner(loaded.model, loaded.config))
         self.updates: list[StateUpdate] = []  # applied here since the last step, shipped with the next
+        self.new_tokens: dict[str, NewTokens] = {}  # the last step's sampled tokens, shipped with the next
         # What shipping the steps cost rank 0 (benchmarks/tensor_parallel.py reports it per step).
         self.broadcasts, self.broadcast_bytes, self.broadcast_s = 0, 0, 0.0
 
@@ -164,19 +167,23 @@ class TensorParallelExecutor(Executor):
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
         """Ship the step (the StateUpdates since the last one, then its chunks) to the other ranks, run rank 0's
-        shard of the forward beside theirs, and sample from the gathered logits."""
+        shard of the forward beside theirs, and sample from the gathered logits; the sampled tokens join rank
+        0's requests now and the other ranks' with the next step."""
         start = time.perf_counter()
-        self.broadcast_bytes += self.workers.send(RunStep(self.updates, specs))
+        self.broadcast_bytes += self.workers.send(RunStep(self.new_tokens, self.updates, specs))
         self.broadcast_s += time.perf_counter() - start
         self.broadcasts += 1
-        self.updates = []
+        self.updates, self.new_tokens = [], {}
         try:
             step = self.runner.forward(specs)
         except Exception as e:  # noqa: BLE001 -- whatever it was, the ranks are left at different collectives
             why = self.workers.failure or f"{type(e).__name__}: {e}"
             raise TensorParallelError(f"the tensor-parallel forward failed on rank 0 ({why})") from e
         # Sampling has no collectives: a failure there leaves the group in step, and the step may be retried.
-        return self.runner.sample(specs, step)
+        sampled = self.runner.sample(specs, step)
+        self.new_tokens = new_tokens(specs, sampled)
+        self.runner.append(self.new_tokens)
+        return sampled
 
     def launch(self, specs: list[ChunkSpec], input_ids: torch.Tensor | None = None) -> PendingStep | None:
         """None: async scheduling is off under tensor parallelism, so every step ships through execute()."""

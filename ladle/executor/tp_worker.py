@@ -2,8 +2,8 @@
 (ladle.executor.tensor_parallel.WorkerGroup) with one end of a socket pair as FD.
 
 It loads its shard and plans with the other ranks (ladle.startup.setup.load_and_plan, the same path as rank 0),
-then runs each step rank 0 sends: apply the StateUpdates, run its shard of the forward. Whatever goes wrong,
-it exits, which rank 0 notices; it never outlives rank 0.
+then runs each step rank 0 sends: append the tokens rank 0 sampled last step, apply the StateUpdates, run its
+shard of the forward. Whatever goes wrong, it exits, which rank 0 notices; it never outlives rank 0.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def serve_steps(conn: Connection, runner: ModelRunner) -> None:
             return
         if isinstance(message, StopRank):
             return
+        runner.append(message.new_tokens)  # before the updates, which may remove or resend their requests
         for update in message.updates:
             runner.apply(update)
         runner.forward(message.specs)  # rank 0 samples from the logits this rank's collectives gather

@@ -24,7 +24,16 @@ from ladle.runner.cuda_graphs import DecodeGraphs
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.mixed_graphs import MixedGraphs
 from ladle.runner.mtp_drafter import MtpDrafter
-from ladle.runner.payload import FAILED, PROMPT_ONLY, ChunkSpec, PendingStep, SampledToken, StateUpdate
+from ladle.runner.payload import (
+    FAILED,
+    PROMPT_ONLY,
+    ChunkSpec,
+    NewTokens,
+    PendingStep,
+    SampledToken,
+    StateUpdate,
+    new_tokens,
+)
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.prompt_logprobs import PromptChunk, compute_prompt_logprobs, prompt_chunks
 from ladle.runner.runner_requests import RunnerRequests
@@ -142,8 +151,15 @@ class ModelRunner:
             tensor[slots] = saved
 
     def execute(self, specs: list[ChunkSpec]) -> dict[str, SampledToken]:
-        """Run the step: its forward, then its sampling."""
-        return self.sample(specs, self.forward(specs))
+        """Run the step: its forward, then its sampling; its tokens join the requests."""
+        sampled = self.sample(specs, self.forward(specs))
+        self.append(new_tokens(specs, sampled))
+        return sampled
+
+    def append(self, new: dict[str, NewTokens]) -> None:
+        """A step's sampled tokens join their requests (RunnerRequests.append). Only once the step has fully
+        succeeded: a step that raises is run again, and nothing of it may have stuck."""
+        self.requests.append(new)
 
     @torch.inference_mode()
     def forward(self, specs: list[ChunkSpec]) -> StepForward:
@@ -223,7 +239,8 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self._logits(batch, self.requests.tables(specs, self.block_size), input_ids)
             assert logits is not None
-            return PendingStep([s.request_id for s in specs], self.sampler.sample(logits, meta))
+            return PendingStep([s.request_id for s in specs], [s.start_pos + 1 for s in specs],
+                               self.sampler.sample(logits, meta), self.requests.append)
 
     def _sampling_metadata(self, specs: list[ChunkSpec]) -> SamplingMetadata:
         """The sampling metadata of these sampled chunks: the batch's tensors (rebuilt only when its requests

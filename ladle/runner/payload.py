@@ -3,10 +3,13 @@
 What the engine core sends each step is plain, picklable data (vLLM's SchedulerOutput with NewRequestData and
 CachedRequestData): never live Request objects or the KV manager's tables, so a rank in another process (tensor
 parallelism) is fed the same bytes; the runner keeps its own copy of each request. What comes back is a
-SampledToken per sampled request, or a PendingStep whose tokens are still on the device.
+SampledToken per sampled request, or a PendingStep whose tokens are still on the device. The runner appends
+the tokens it samples to its copy itself (NewTokens), so the engine sends a request's tokens once, when the
+runner first gets it, and afterwards only its new blocks.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,12 +39,20 @@ class NewRequest:
 
 
 class RequestDiff(NamedTuple):
-    """What a request the runner holds gained since its last payload. (A NamedTuple, as ChunkSpec: one of
-    each per request per step, and a frozen dataclass costs several times more to build.)"""
+    """The blocks a request the runner holds gained since its last payload. Its new tokens are not sent: the
+    runner sampled them and appended them itself (NewTokens). (A NamedTuple, as ChunkSpec: built on the hot
+    path, and a frozen dataclass costs several times more to build.)"""
 
     request_id: str
-    new_token_ids: list[int]
-    new_block_ids: tuple[list[int], ...]  # appended to each group's table; () when none grew
+    new_block_ids: tuple[list[int], ...]  # appended to each group's table
+
+
+class NewTokens(NamedTuple):
+    """The tokens a step sampled for one request, which the runner appends to its copy of the request (and a
+    tensor-parallel executor ships to the ranks that do not sample): where the first goes, then the tokens."""
+
+    position: int  # the request's length (prompt and output) before them
+    token_ids: list[int]
 
 
 class ChunkSpec(NamedTuple):
@@ -88,6 +99,22 @@ class SampledToken:
     prompt_logprobs: tuple[int, list[dict[int, Logprob]]] | None = None
 
 
+def new_tokens(specs: list[ChunkSpec], sampled: dict[str, SampledToken]) -> dict[str, NewTokens]:
+    """The tokens a step's results add to each request: its accepted drafts, then its sampled token. A FAILED
+    token adds nothing (the engine ends its request), nor does a chunk that samples nothing."""
+    out = {}
+    for s in specs:
+        tok = sampled.get(s.request_id)
+        if tok is None or tok.token_id == PROMPT_ONLY:
+            continue
+        ids = [t for t, _ in tok.accepted]
+        if tok.token_id != FAILED:
+            ids.append(tok.token_id)
+        if ids:
+            out[s.request_id] = NewTokens(s.start_pos + s.num_tokens - len(s.draft_token_ids), ids)
+    return out
+
+
 class PendingStep:
     """A launched step whose sampled tokens are still on the device.
 
@@ -95,8 +122,14 @@ class PendingStep:
     recorded right after it: a plain .tolist() would queue the copy behind the step launched ahead and wait
     for that step too, which is exactly the overlap async scheduling is for."""
 
-    def __init__(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+    def __init__(self, request_ids: list[str], positions: list[int], token_ids: torch.Tensor,
+                 on_read: Callable[[dict[str, NewTokens]], None]) -> None:
+        """positions: where each request's token goes (its length before it); on_read: given the tokens once
+        they are read, so the runner that launched the step appends them to its requests."""
         self.request_ids = request_ids
+        self.positions = positions
+        self._on_read = on_read
+        self._result: dict[str, SampledToken] | None = None
         # [len(request_ids)] on the device, in request order: the next step's input. A FAILED row's request
         # ends when this step is read, so its token in the step ahead is void; 0 keeps the embedding in range.
         self.token_ids = token_ids.clamp_min(0)
@@ -109,7 +142,14 @@ class PendingStep:
             self._event.record()
 
     def result(self) -> dict[str, SampledToken]:
-        """Wait for this step's tokens (not for steps launched after it) and read them."""
+        """Wait for this step's tokens (not for steps launched after it) and read them; the first call hands
+        them to the runner."""
+        if self._result is not None:
+            return self._result
         if self._event is not None:
             self._event.synchronize()
-        return {rid: SampledToken(t, None) for rid, t in zip(self.request_ids, self._host.tolist())}
+        ids = self._host.tolist()
+        self._result = {rid: SampledToken(t, None) for rid, t in zip(self.request_ids, ids)}
+        self._on_read({rid: NewTokens(p, [t]) for rid, p, t in zip(self.request_ids, self.positions, ids)
+                       if t != FAILED})
+        return self._result

@@ -1,6 +1,7 @@
-"""The runner's copy of the requests it runs, kept up to date by the engine's StateUpdate (ladle.runner.payload):
-tokens and sampling state, each request's row in the persistent block tables and in the penalty counts, and
-each step's columns (StepBatch) built from them in one pass.
+"""The runner's copy of the requests it runs: taken whole from the engine's StateUpdate (ladle.runner.payload),
+then given new blocks by it while the runner appends the tokens it samples itself. Tokens and sampling state,
+each request's row in the persistent block tables and in the penalty counts, and each step's columns
+(StepBatch) built from them in one pass.
 
 Rows are held only by requests the engine runs: a finished, aborted, preempted or restarted request is
 removed (and comes back whole as a new request if it runs again), so max_num_seqs rows always suffice.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.runner.block_table import BlockTableBuffer
-from ladle.runner.payload import ChunkSpec, StateUpdate
+from ladle.runner.payload import ChunkSpec, NewTokens, StateUpdate
 from ladle.runner.penalty_counts import PenaltyCounts
 from ladle.runner.sampling_batch import penalized
 from ladle.runner.step_batch import StepBatch
@@ -29,6 +30,10 @@ class RunnerRequest:
     state_slot: int = -1  # its slot in the state layers (models with StateSpec layers)
     row: int = -1  # its row in the block-table buffers (the same in every group's)
     penalty_row: int = -1  # its row in the penalty counts, once it has sampled with a penalty
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
 
     def token_at(self, pos: int) -> int:
         p = len(self.prompt)
@@ -65,7 +70,7 @@ class RunnerRequests:
         return len(self.requests)
 
     def apply(self, update: StateUpdate) -> None:
-        """Forget removed requests, take new (or returning) ones, extend the others."""
+        """Forget removed requests, take new (or returning) ones, extend the others' block tables."""
         if update.removed or update.new_requests:
             self.version += 1
         for rid in update.removed:
@@ -84,23 +89,33 @@ class RunnerRequests:
             self.requests[new.request_id] = req
             if new.sampling_params.prompt_logprobs is not None and not req.output:
                 self.want_prompt_logprobs.add(new.request_id)
-        if not update.diffs:
-            return
-        counted_rows: list[int] = []
-        counted: list[int] = []
         for diff in update.diffs:
             req = self.requests[diff.request_id]
-            req.output.extend(diff.new_token_ids)
-            if diff.new_token_ids:
-                self.want_prompt_logprobs.discard(diff.request_id)
-            if req.penalty_row >= 0:
-                counted_rows += [req.penalty_row] * len(diff.new_token_ids)
-                counted += diff.new_token_ids
-            for g, (table, added) in enumerate(zip(req.tables, diff.new_block_ids)):  # () when no group grew
+            for g, (table, added) in enumerate(zip(req.tables, diff.new_block_ids)):
                 if added and self.block_tables:
                     self.block_tables[g].write(req.row, len(table), added)
                 table.extend(added)
-        self.penalties.count(counted_rows, counted)
+
+    def append(self, new: dict[str, NewTokens]) -> None:
+        """Append a step's sampled tokens. A request no longer here has ended (a step launched ahead sampled a
+        void token for it); one that is here must be exactly as long as the step saw it, or the engine and the
+        runner disagree on its tokens, which no output may survive."""
+        counted_rows: list[int] = []
+        counted: list[int] = []
+        for rid, (position, ids) in new.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.num_tokens != position:
+                raise RuntimeError(f"request {rid}: the runner holds {req.num_tokens} tokens, but its sampled "
+                                   f"tokens go at position {position}")
+            req.output.extend(ids)
+            self.want_prompt_logprobs.discard(rid)
+            if req.penalty_row >= 0:
+                counted_rows += [req.penalty_row] * len(ids)
+                counted += ids
+        if counted:
+            self.penalties.count(counted_rows, counted)
 
     def _forget(self, request_id: str) -> None:
         gone = self.requests.pop(request_id, None)
