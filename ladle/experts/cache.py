@@ -25,6 +25,8 @@ from typing import Literal, Protocol, overload
 import torch
 from torch import nn
 
+from ladle.quantization.layer_interfaces import KeepsDtypes
+
 
 class Backing(Protocol):
     def read_into(self, expert: int, dest: dict[str, torch.Tensor]) -> int: ...
@@ -45,7 +47,7 @@ class ExpertCacheStats:
 Key = tuple[int, int]  # (layer, expert)
 
 
-class ExpertCache(nn.Module):
+class ExpertCache(nn.Module, KeepsDtypes):
     """num_slots slots, each one expert's tensors (name -> shape, dtype): registered buffers, so the model's
     weights count them and the loader allocates them on the device."""
 

@@ -3,10 +3,11 @@ SwiGLU per routed expert, results added in expert order."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ladle.quantization.layer_interfaces import ExpertStack
 
 
 def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
@@ -34,7 +35,8 @@ def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_e
     return out
 
 
-def expert_mlp(x: torch.Tensor, w13: Any, w2: Any, expert: int, swiglu_limit: float | None) -> torch.Tensor:
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor | ExpertStack, w2: torch.Tensor | ExpertStack, expert: int,
+               swiglu_limit: float | None) -> torch.Tensor:
     """One expert's SwiGLU over its rows: stack[expert] of w13 [E, 2I, H] and w2 [E, H, I]."""
     gate, up = _expert_linear(x, w13, expert).chunk(2, dim=-1)
     if swiglu_limit is not None:  # DeepSeek-V4 clamps both halves
@@ -42,7 +44,6 @@ def expert_mlp(x: torch.Tensor, w13: Any, w2: Any, expert: int, swiglu_limit: fl
     return _expert_linear(F.silu(gate) * up, w2, expert)
 
 
-def _expert_linear(x: torch.Tensor, stack: Any, expert: int) -> torch.Tensor:
+def _expert_linear(x: torch.Tensor, stack: torch.Tensor | ExpertStack, expert: int) -> torch.Tensor:
     """x @ stack[expert]^T, by the stack's own product where it has one (packed MXFP4 read in C)."""
-    linear = getattr(stack, "linear", None)
-    return linear(x, expert) if linear is not None else F.linear(x, stack[expert])
+    return stack.linear(x, expert) if isinstance(stack, ExpertStack) else F.linear(x, stack[expert])

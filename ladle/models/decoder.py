@@ -27,6 +27,7 @@ from ladle.models.layers.moe import FusedMoE
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS
 from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
+from ladle.quantization.layer_interfaces import StacksCheckpointTensors, View
 
 if TYPE_CHECKING:
     from ladle.models.loading.tensor_parallel import VocabParallelEmbedding
@@ -311,12 +312,11 @@ def tiered_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return table
 
 
-def checkpoint_views(model: nn.Module) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+def checkpoint_views(model: nn.Module) -> dict[str, tuple[str, View]]:
     """Checkpoint name -> (parameter name, the view of it the tensor fills), from every module that stacks
     several checkpoint tensors into one parameter (StackedLinear's shards, FusedMoE's experts)."""
-    table: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+    table: dict[str, tuple[str, View]] = {}
     for prefix, module in model.named_modules():
-        views = getattr(module, "checkpoint_views", None)
-        if callable(views) and prefix:
-            table.update(views(prefix))
+        if isinstance(module, StacksCheckpointTensors) and prefix:
+            table.update(module.checkpoint_views(prefix))
     return table

@@ -91,8 +91,13 @@ class SupportsMtp(CausalLM, Protocol):
         """The MTP layer's output -> logits, through the model's head."""
 
 
-class ConfiguredModel(nn.Module):
-    """The CausalLM members every model class computes alike from its HF config and its registered modules."""
+_EXPERT_SLOTS = "tiered_expert_slots"  # the submodule attach_expert_cache registers
+
+
+class ConfiguredModel(nn.Module, CausalLM):
+    """The base of every model class: an nn.Module that says it is a CausalLM, so the type checker holds each
+    class to the protocol, and what the loader builds and hands on. It computes the members every class computes
+    alike from its HF config and its registered modules."""
 
     config: Any  # the HF config the class was built from
 
@@ -102,8 +107,13 @@ class ConfiguredModel(nn.Module):
 
     @property
     def expert_cache(self) -> ExpertCache | None:
-        cache = self._modules.get("expert_cache")  # registered by ladle.models.loading.expert_tiering
+        cache = self._modules.get(_EXPERT_SLOTS)
         return cache if isinstance(cache, ExpertCache) else None
+
+    def attach_expert_cache(self, cache: ExpertCache) -> None:
+        """Tiered experts (ladle.models.loading.expert_tiering): the device slots they share join the model as a
+        submodule, so their buffers count as its weights and are allocated with them."""
+        self.add_module(_EXPERT_SLOTS, cache)
 
 
 class RoutedExperts(nn.Module):

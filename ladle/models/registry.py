@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ladle.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from ladle.models.interface import CausalLM
+from ladle.models.interface import ConfiguredModel
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.mistral import MistralForCausalLM
 from ladle.models.qwen2 import Qwen2ForCausalLM
@@ -14,7 +14,7 @@ from ladle.models.qwen3 import Qwen3ForCausalLM
 from ladle.models.qwen3_5.model import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODELS: Mapping[str, type[CausalLM]] = MappingProxyType({
+MODELS: Mapping[str, type[ConfiguredModel]] = MappingProxyType({
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -41,7 +41,7 @@ def text_config_of(config: Any) -> Any:
     return text
 
 
-def model_class_for(config: Any) -> type[CausalLM]:
+def model_class_for(config: Any) -> type[ConfiguredModel]:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"config names no architecture; supported: {', '.join(MODELS)}")

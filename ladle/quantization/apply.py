@@ -9,6 +9,7 @@ from ladle.quantization.config import E8M0_DTYPE, FP4_DTYPE, FP8_DTYPE, QuantCon
 from ladle.quantization.fp8_linear import Fp8Linear
 from ladle.quantization.ggml_embedding import GgmlEmbedding
 from ladle.quantization.ggml_linear import GgmlLinear
+from ladle.quantization.layer_interfaces import QuantizableExperts, StackedProjections
 
 
 def checkpoint_dtypes(files: list[str]) -> dict[str, str]:
@@ -58,7 +59,7 @@ def _all_quantized(full: str, parts: list[str], dtypes: dict[str, str], values: 
 
 def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]) -> int:
     """Replace each nn.Linear whose checkpoint weights are FP8 by an Fp8Linear (a stacked one only if every part
-    is), and switch stacked experts (a module with use_fp8) to FP8 or, expert_dtype fp4, MXFP4; returns how
+    is), and switch stacked experts (QuantizableExperts) to FP8 or, expert_dtype fp4, MXFP4; returns how
     many layers. dtypes: tensor name -> safetensors dtype, scales under ladle's names (scale_names). A module
     the config lists in modules_to_not_convert must not be quantized in the files."""
     for name, dtype in dtypes.items():
@@ -70,7 +71,7 @@ def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{prefix}.{name}" if prefix else name
-            if hasattr(child, "use_fp8"):
+            if isinstance(child, QuantizableExperts):
                 mxfp4 = quant.expert_dtype == "fp4"
                 expected = (FP4_DTYPE, E8M0_DTYPE, "MXFP4 (expert_dtype fp4)") if mxfp4 else fp8
                 if _all_quantized(full, child.fp8_checkpoint_parts(full), dtypes, *expected):
@@ -79,7 +80,7 @@ def use_fp8_linears(model: nn.Module, quant: QuantConfig, dtypes: dict[str, str]
                 continue
             if not isinstance(child, nn.Linear):
                 continue
-            shards = getattr(child, "shards", None)
+            shards = child.shards if isinstance(child, StackedProjections) else None
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             parts = [f"{owner}.{s}" if owner else s for s in shards] if shards else [full]
             if _all_quantized(full, parts, dtypes, *fp8):
@@ -110,7 +111,7 @@ def with_scale_slices(slices: dict, block: tuple[int, int], dtypes: dict[str, st
 @torch.no_grad()
 def dequantize_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Widen every quantized layer to dtype, once, after loading (--dequantize-weights): an Fp8Linear becomes
-    an nn.Linear (its stack's shards kept), quantized experts dense stacks; returns how many layers."""
+    an nn.Linear, quantized experts dense stacks; returns how many layers."""
     widened = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -120,13 +121,10 @@ def dequantize_layers(model: nn.Module, dtype: torch.dtype) -> int:
                 dense.weight.copy_(child.dequantized(0, child.out_features, dtype))
                 if child.bias is not None:
                     dense.bias.copy_(child.bias)
-                if child.shards:
-                    dense.shards = child.shards  # type: ignore[assignment]
                 setattr(parent, name, dense.requires_grad_(False))
                 widened += 1
-            elif getattr(child, "weight_format", None) is not None:
-                # a quantized FusedMoE (ladle.models, a floor above this one): nn.Module's __getattr__ says Tensor
-                child.dequantize(dtype)  # type: ignore[operator]
+            elif isinstance(child, QuantizableExperts) and child.weight_format is not None:
+                child.dequantize(dtype)
                 widened += 1
     return widened
 
@@ -143,8 +141,13 @@ def weights_format(model: nn.Module) -> str:
                 groups.setdefault(key, []).append(module.weight)
                 layers[key] = layers.get(key, 0) + 1
             continue
-        fmt = "fp8" if isinstance(module, Fp8Linear) else getattr(module, "weight_format", None)
-        if fmt is None or getattr(module, "tiered", None) is not None:  # tiered experts: the plan's own line
+        if isinstance(module, Fp8Linear):
+            fmt: str | None = "fp8"
+        elif isinstance(module, QuantizableExperts) and not module.is_tiered:  # tiered: the plan's own line
+            fmt = module.weight_format
+        else:
+            continue
+        if fmt is None:
             continue
         names = (("weight", "weight_scale_inv") if isinstance(module, Fp8Linear)  # else a quantized FusedMoE's
                  else ("w13", "w2", "w13_scale_inv", "w2_scale_inv"))

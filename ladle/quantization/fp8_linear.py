@@ -14,12 +14,13 @@ block grid, or its scales would cover two parts.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ladle.quantization.layer_interfaces import ExpertStack, KeepsDtypes, StackedProjections, View, narrow_rows
 
 if TYPE_CHECKING:
     from ladle.kernels.cpu_kernels import CpuKernels
@@ -27,11 +28,6 @@ if TYPE_CHECKING:
 TILE_ELEMENTS = 1 << 21  # weights widened at once (a whole number of block rows): 8 MiB of fp32 workspace
 KERNEL_MAX_ROWS = 24  # up to this many input rows, ladle's C kernel reads the FP8 bytes directly (CPU)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def narrow_rows(start: int, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A checkpoint view: rows start to start + length of a tensor."""
-    return lambda p: p.narrow(0, start, length)
 
 
 class WidenBuffer:
@@ -60,7 +56,7 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[i
     return (values.float() * grid).to(dtype)
 
 
-class Fp8ExpertStack:
+class Fp8ExpertStack(ExpertStack):
     """Stacked experts' FP8 weights [E, R, C] and scales [E, R / rows, C / cols], indexed like the dequantized
     stack: stack[e] is expert e's weight in dtype, made when asked, so a step holds one expert's at a time. With
     ladle's C kernels (CPU), linear() multiplies a decode step's few rows by the FP8 bytes directly, and a
@@ -117,7 +113,7 @@ def fp8_kernel_linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor
     return y
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(nn.Module, StackedProjections, KeepsDtypes):
     keep_dtypes = ("weight", "weight_scale_inv")  # the loader's cast to the model dtype leaves these
 
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
@@ -141,9 +137,9 @@ class Fp8Linear(nn.Module):
                 raise ValueError(f"{name} starts at row {start} of a stacked FP8 layer, off the {rows}-row block "
                                  "grid, so a scale block would cover two projections")
 
-    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, View]]:
         parent, rows = prefix.rsplit(".", 1)[0], self.block[0]
-        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        views: dict[str, tuple[str, View]] = {}
         for shard, (start, size) in self.shards.items():
             views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", narrow_rows(start, size))
             views[f"{parent}.{shard}.weight_scale_inv"] = (

@@ -16,12 +16,13 @@ from torch import nn
 
 from ladle.quantization.fp8_linear import WidenBuffer
 from ladle.quantization.ggml_linear import BLOCK_TYPES, GgmlLinear, block_weights, row_bytes, torch_dequantize
+from ladle.quantization.layer_interfaces import KeepsDtypes
 
 if TYPE_CHECKING:
     from ladle.kernels.cpu_kernels import CpuKernels
 
 
-class GgmlEmbedding(nn.Module):
+class GgmlEmbedding(nn.Module, KeepsDtypes):
     keep_dtypes = ("weight",)  # the loader's cast to the model dtype leaves the block bytes alone
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str) -> None:
@@ -66,10 +67,13 @@ def use_ggml_embedding(root: nn.Module, types: dict[str, str], dtype: torch.dtyp
     """Replace root.model.embed_tokens (on meta) by a GgmlEmbedding where its checkpoint weight is in a block
     type of BLOCK_TYPES (types: HF weight name -> ggml type name); returns the checkpoint names now kept as
     blocks (the loader reads those raw). dtype: the model's, which lookups widen into."""
-    model = getattr(root, "model", None)
-    embed = getattr(model, "embed_tokens", None)
     qtype = types.get("model.embed_tokens.weight")
-    if model is None or not isinstance(embed, nn.Embedding) or qtype not in BLOCK_TYPES:
+    try:
+        model = root.get_submodule("model")
+        embed = model.get_submodule("embed_tokens")
+    except AttributeError:  # a model whose table lies elsewhere keeps it widened
+        return set()
+    if not isinstance(embed, nn.Embedding) or qtype not in BLOCK_TYPES:
         return set()
     try:
         kept = GgmlEmbedding(embed.num_embeddings, embed.embedding_dim, qtype)

@@ -15,14 +15,14 @@ the layer otherwise).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, TILE_ELEMENTS, WidenBuffer, narrow_rows
+from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, TILE_ELEMENTS, WidenBuffer
+from ladle.quantization.layer_interfaces import KeepsDtypes, StackedProjections, View, narrow_rows
 
 if TYPE_CHECKING:
     from ladle.kernels.cpu_kernels import CpuKernels
@@ -96,7 +96,7 @@ def _k_dequantize(b: torch.Tensor, qtype: str) -> torch.Tensor:
     return (d * q.float() - dm).reshape(*lead, 256)
 
 
-class GgmlLinear(nn.Module):
+class GgmlLinear(nn.Module, StackedProjections, KeepsDtypes):
     keep_dtypes = ("weight",)  # the loader's cast to the model dtype leaves the block bytes alone
 
     def __init__(self, in_features: int, out_features: int, bias: bool, qtype: str,
@@ -117,9 +117,9 @@ class GgmlLinear(nn.Module):
         self.buffer = WidenBuffer()  # the model's shared one, from use_cpu_kernels
         self.skinny_bf16 = False  # torch's bf16 matmul is slow here: bf16 prefill tiles go through skinny_linear
 
-    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, View]]:
         parent = prefix.rsplit(".", 1)[0]
-        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        views: dict[str, tuple[str, View]] = {}
         for shard, (start, size) in self.shards.items():
             views[f"{parent}.{shard}.weight"] = (f"{prefix}.weight", narrow_rows(start, size))
             if self.bias is not None:
@@ -198,7 +198,7 @@ def use_ggml_linears(root: nn.Module, types: dict[str, str]) -> set[str]:
             if not isinstance(child, nn.Linear):
                 continue
             full = f"{prefix}.{name}" if prefix else name
-            shards = getattr(child, "shards", None)
+            shards = child.shards if isinstance(child, StackedProjections) else None
             parts = ([f"{full.rsplit('.', 1)[0]}.{shard}.weight" for shard in shards] if shards
                      else [f"{full}.weight"])
             found = {types.get(p) for p in parts}

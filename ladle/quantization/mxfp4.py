@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ladle.quantization.config import MXFP4_GROUP
 from ladle.quantization.fp8_linear import KERNEL_MAX_ROWS, WidenBuffer
+from ladle.quantization.layer_interfaces import ExpertStack
 
 if TYPE_CHECKING:
     from ladle.kernels.cpu_kernels import CpuKernels
@@ -28,7 +29,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return grouped.flatten(-2).to(dtype)
 
 
-class Mxfp4ExpertStack:
+class Mxfp4ExpertStack(ExpertStack):
     """Stacked experts' packed weights [E, R, C / 2] and scales [E, R, C / 32], indexed like the dequantized
     stack [E, R, C]: stack[e] is expert e's weight in dtype, made when asked. With ladle's C kernels (CPU),
     linear() multiplies a decode step's few rows by the packed bytes directly (ladle/kernels/cpu/mxfp4_linear.c)."""

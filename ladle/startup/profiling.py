@@ -14,7 +14,7 @@ import torch
 from ladle.attention.groups import attention_groups
 from ladle.attention.torch_ref import CONTEXT_TILE
 from ladle.kv_cache.specs import KVCacheLayout
-from ladle.models.interface import RoutedExperts
+from ladle.models.interface import ConfiguredModel, RoutedExperts
 from ladle.runner.kv_allocation import allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.sampling_batch import SamplingMetadata, sampling_batch
@@ -107,7 +107,7 @@ def fit_activation_model(points: list[ProfilePoint], max_num_seqs: int, tile: in
 
 
 def profile_points(
-    model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
+    model: ConfiguredModel, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
     max_context: int, decode_rows: list[int], tile: int = CONTEXT_TILE, attention_backend: str | None = None,
 ) -> list[ProfilePoint]:
     """Prefill chunks of each T in token_counts at context T (a fresh prompt) and at max_context (the worst
@@ -142,7 +142,7 @@ def profile_shapes(token_counts: list[int], max_context: int, decode_rows: list[
 
 
 def _measure(
-    model: torch.nn.Module, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
+    model: ConfiguredModel, layout: KVCacheLayout, device: torch.device, vocab_size: int, token_counts: list[int],
     max_context: int, decode_rows: list[int], tile: int, attention_backend: str | None,
 ) -> list[ProfilePoint]:
     block_size = layout.block_size
@@ -152,8 +152,7 @@ def _measure(
     num_layers = layout.num_layers
     # A state slot per decode row (prefills use slot 0), as the engine's one slot per running request.
     caches = allocate_kv_caches(layout, num_layers, num_blocks, device, max(decode_rows))
-    # The caches as allocate_kv_caches types them (tuple[Tensor, ...]), ModelRunner's annotation says (K, V) pairs.
-    runner = ModelRunner(model, caches, block_size, device,  # type: ignore[arg-type]
+    runner = ModelRunner(model, caches, block_size, device,
                          groups=attention_groups(layout, device, attention_backend), state_groups=layout.state_groups)
     blocks = tuple(list(range(num_blocks)) for _ in layout.groups)
 

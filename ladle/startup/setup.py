@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +19,7 @@ from ladle.config.speculative import parse_speculative_config
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.gguf.path import gguf_file_of
 from ladle.kv_cache.specs import KVCacheLayout
-from ladle.models.interface import CausalLM
+from ladle.models.interface import ConfiguredModel
 from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Loaded:
-    model: torch.nn.Module
+    model: ConfiguredModel
     hf_config: PretrainedConfig
     config: EngineConfig
 
@@ -55,7 +55,7 @@ def profile_token_counts(max_len: int) -> list[int]:
     return sorted({min(t, max_len) for t in (64, 512, 2048)})
 
 
-def _activation_profile(args: EngineArgs, prov: Provenance, model: torch.nn.Module, hf_config: PretrainedConfig,
+def _activation_profile(args: EngineArgs, prov: Provenance, model: ConfiguredModel, hf_config: PretrainedConfig,
                         layout: KVCacheLayout, device: torch.device, context: int,
                         backend: str, tp: TensorParallel) -> list[ProfilePoint]:
     """The profiled points: from the cache when an entry matches (unless profile_cache is off), else measured
@@ -118,7 +118,7 @@ def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int
     return 0, False
 
 
-def build_runner(model: torch.nn.Module, cfg: EngineConfig) -> ModelRunner:
+def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
     """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
     layout = cfg.kv_layout
     assert layout is not None  # planned before any runner is built
@@ -134,8 +134,7 @@ def build_runner(model: torch.nn.Module, cfg: EngineConfig) -> ModelRunner:
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
-    # The caches as allocate_kv_caches types them (tuple[Tensor, ...]), ModelRunner's annotation says (K, V) pairs.
-    return ModelRunner(model, caches, cfg.block_size, cfg.device,  # type: ignore[arg-type]
+    return ModelRunner(model, caches, cfg.block_size, cfg.device,
                        tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
                        draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative))
@@ -205,18 +204,17 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     mtp = speculative is not None and speculative.method == "mtp"
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
                                   args.dequantize_weights, tiering_resolver(args, prov, budget, device), mtp)
-    lm = cast(CausalLM, model)  # load_model returns the CausalLM it built typed as nn.Module
     lending = keep_lending(lending, model, prov)
-    if lm.cpu_kernels is not None and device.type == "cpu":
-        prov.put("cpu_kernels", *lm.cpu_kernels)
-    host_experts, tiered = tiered_line(lm, device)
+    if model.cpu_kernels is not None and device.type == "cpu":
+        prov.put("cpu_kernels", *model.cpu_kernels)
+    host_experts, tiered = tiered_line(model, device)
     calibrate_tiers(model, prov, device, dtype)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + host_experts
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
     context = args.max_model_len or model_max
-    layout = KVCacheLayout.of(lm.cache_specs(dtype, context), args.block_size)
+    layout = KVCacheLayout.of(model.cache_specs(dtype, context), args.block_size)
     graph_batch = resolve_cudagraph_size(args, device, prov)
     prefix_caching = bool(args.enable_prefix_caching)
     if layout.state_groups:
@@ -229,7 +227,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         graph_batch = _graph_limit(prov, graph_batch, "tiered experts: a step fetches the experts its tokens route "
                                    "to, which a graph cannot replay")
     async_scheduling = bool(args.async_scheduling)
-    if async_scheduling and layout.state_groups and tiered_bytes(lm)[1]:
+    if async_scheduling and layout.state_groups and tiered_bytes(model)[1]:
         raise ValueError("async_scheduling cannot be used with moe_backing mmap on a model with state layers yet: a "
                          "step launched ahead that finds an expert's file changed cannot be taken back (its state "
                          "layers already ran); drop async_scheduling or use moe_backing host")

@@ -1,7 +1,6 @@
 """Building blocks shared by the decoder-only models, written to match HF transformers numerically."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 from ladle.attention.backend import BackendMetadata
 from ladle.distributed.parallel_state import SINGLE, TensorParallel
 from ladle.models.layers.ops import OpsModule
+from ladle.quantization.layer_interfaces import StackedProjections, View, narrow_rows
 
 # Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -39,11 +39,6 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     return params
-
-
-def narrow_rows(start: int, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The view of rows start:start+size of a tensor (a shard's rows of a fused parameter)."""
-    return lambda p: p.narrow(0, start, size)
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-class StackedLinear(nn.Linear):
+class StackedLinear(nn.Linear, StackedProjections):
     """Several checkpoint projections of the same input as one matmul (vLLM's QKVParallelLinear and
     MergedColumnParallelLinear): one launch instead of three or two, which matters most for decode steps.
     `shards` maps each checkpoint module name to its rows, in output order."""
@@ -104,11 +99,11 @@ class StackedLinear(nn.Linear):
             offsets.append(offsets[-1] + size)
         self.shards = {name: (start, size) for (name, size), start in zip(shards.items(), offsets)}
 
-    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, View]]:
         """Checkpoint name -> (parameter name, the rows that tensor fills): the shards are the checkpoint's
         sibling modules ('...self_attn.k_proj.weight' fills rows of '...self_attn.qkv_proj.weight')."""
         parent = prefix.rsplit(".", 1)[0]
-        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        views: dict[str, tuple[str, View]] = {}
         for shard, (start, size) in self.shards.items():
             for kind, _ in self.named_parameters():
                 views[f"{parent}.{shard}.{kind}"] = (f"{prefix}.{kind}", narrow_rows(start, size))

@@ -21,6 +21,7 @@ from ladle.models.layers.decoder_layer import GatedMLP
 from ladle.models.layers.ops import OpsModule
 from ladle.quantization.config import MXFP4_GROUP
 from ladle.quantization.fp8_linear import Fp8ExpertStack, WidenBuffer
+from ladle.quantization.layer_interfaces import QuantizableExperts, View
 from ladle.quantization.mxfp4 import Mxfp4ExpertStack
 
 
@@ -39,7 +40,7 @@ def _expert(j: int, rows: slice | None = None) -> Callable[[torch.Tensor], torch
     return lambda p: p[j] if rows is None else p[j, rows]
 
 
-class FusedMoE(OpsModule):
+class FusedMoE(OpsModule, QuantizableExperts):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  swiglu_limit: float | None = None) -> None:
@@ -62,15 +63,17 @@ class FusedMoE(OpsModule):
         # set by ladle.models.loading.expert_tiering: the experts live off the device
         self.tiered: TieredExperts | None = None
 
+    @property
+    def is_tiered(self) -> bool:
+        return self.tiered is not None
+
     def use_cpu_kernels(self, kernels: CpuKernels, native_bf16: bool, buffer: WidenBuffer | None = None) -> None:
         self.kernels, self.buffer = kernels, buffer
 
     def fp8_checkpoint_parts(self, prefix: str) -> list[str]:
-        """The checkpoint modules whose weights, FP8 or not, decide this layer's format."""
         return [f"{prefix}.{j}.{name}" for j in range(self.num_experts) for name in self.names]
 
     def use_fp8(self, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32) -> None:
-        """Hold the experts as the checkpoint's e4m3 values and block scales (still on meta)."""
         rows, cols = block
         e, size, hidden = self.num_experts, self.intermediate_size, self.w2.shape[1]
         if size % rows:
@@ -102,7 +105,6 @@ class FusedMoE(OpsModule):
         self.weight_format, self.scale_block = fmt, block
 
     def dequantize(self, dtype: torch.dtype) -> None:
-        """Replace the quantized stacks by dense ones in dtype (--dequantize-weights)."""
         stacks = self._stacks(dtype)
         self.w13, self.w2 = (nn.Parameter(torch.stack([s[e] for e in range(self.num_experts)]), requires_grad=False)
                              for s in stacks)
@@ -131,10 +133,9 @@ class FusedMoE(OpsModule):
         tensors = backing.tensors if isinstance(backing, HostBacking) else {}
         return {f"{prefix}.{name}": t for name, t in tensors.items()}
 
-    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
-        """Checkpoint name -> (parameter name, the view of it that tensor fills)."""
+    def checkpoint_views(self, prefix: str) -> dict[str, tuple[str, View]]:
         size = self.intermediate_size
-        views: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        views: dict[str, tuple[str, View]] = {}
         gate, up, down = self.names
         half = size // self.scale_block[0]  # the gate's rows of the stacked scale grid
         for j in range(self.num_experts):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +18,9 @@ from ladle.experts.expert_files import ExpertFiles
 from ladle.experts.tiered import MissPolicy, TieredExperts
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.models.decoder import checkpoint_views
-from ladle.models.interface import CausalLM
+from ladle.models.interface import ConfiguredModel
 from ladle.models.layers.moe import FusedMoE
+from ladle.quantization.layer_interfaces import KeepsDtypes
 
 
 def _held_dtype(t: torch.Tensor, keep: bool, dtype: torch.dtype) -> torch.dtype:
@@ -52,7 +53,7 @@ def expert_inventory(model: nn.Module, config: Any, dtype: torch.dtype) -> Exper
                              "cache of equal slots")
     total = 0
     for module in model.modules():
-        keep = getattr(module, "keep_dtypes", ())
+        keep = module.keep_dtypes if isinstance(module, KeepsDtypes) else ()
         for name, t in (*module._parameters.items(), *module._buffers.items()):
             if t is not None:
                 total += _nbytes(t, name in keep, dtype)
@@ -62,7 +63,7 @@ def expert_inventory(model: nn.Module, config: Any, dtype: torch.dtype) -> Exper
                            int(config.num_experts_per_tok))
 
 
-def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, device: torch.device,
+def tier_experts(model: ConfiguredModel, tiering: ExpertTiering, dtype: torch.dtype, device: torch.device,
                  files: list[str], renames: dict[str, str], top_k: int) -> set[str]:
     """Move every FusedMoE's experts to the tier (the model still on meta); returns the checkpoint names the
     loader must not read (the experts a file backing reads when needed)."""
@@ -90,18 +91,18 @@ def tier_experts(model: nn.Module, tiering: ExpertTiering, dtype: torch.dtype, d
     for (_, m), (_, following) in pairwise(layers):
         assert m.tiered is not None  # set for every layer just above
         m.tiered.next = following.tiered
-    model.expert_cache = cache  # nn.Module registers it as a submodule, which the model's expert_cache reads
+    model.attach_expert_cache(cache)
     return skip
 
 
-def _file_parts(model: nn.Module, stacks: dict[str, dict[str, torch.Tensor]],
+def _file_parts(model: ConfiguredModel, stacks: dict[str, dict[str, torch.Tensor]],
                 shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], files: list[str],
                 renames: dict[str, str]) -> tuple[dict[str, dict[int, list[FilePart]]], set[str]]:
     """Each tiered layer's expert parts found in the files: where each checkpoint tensor lies and which rows
     of which expert's slot tensor it fills (from the view the layer's checkpoint_views gives, applied to the
     meta stack)."""
     views = checkpoint_views(model)
-    name_of = cast(CausalLM, model).checkpoint_name  # the loader tiers the CausalLM it built
+    name_of = model.checkpoint_name
     parts: dict[str, dict[int, list[FilePart]]] = {}
     skip: set[str] = set()
     for raw, loc in tensor_locations(files).items():

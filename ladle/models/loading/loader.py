@@ -15,7 +15,7 @@ from ladle.experts.backing import FLOATS
 from ladle.experts.tiering import ExpertInventory, ExpertTiering
 from ladle.gguf.path import gguf_file_of
 from ladle.kernels import cpu_kernels
-from ladle.models.interface import CausalLM, SupportsMtp
+from ladle.models.interface import CausalLM, ConfiguredModel, SupportsMtp
 from ladle.models.layers.cpu_ops import CpuOps
 from ladle.models.layers.decoder_layer import RotaryEmbedding
 from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
@@ -32,6 +32,7 @@ from ladle.quantization.apply import (
 from ladle.quantization.config import quant_config_of
 from ladle.quantization.ggml_embedding import use_ggml_embedding
 from ladle.quantization.ggml_linear import use_ggml_linears
+from ladle.quantization.layer_interfaces import KeepsDtypes
 
 _SINGLE_FILE = "model.safetensors"
 
@@ -129,7 +130,7 @@ def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
     config: Any = None, tp: TensorParallel = SINGLE, dequantize: bool = False,
     tiering: Callable[[ExpertInventory | None], ExpertTiering | None] | None = None, mtp: bool = False,
-) -> tuple[nn.Module, Any]:
+) -> tuple[ConfiguredModel, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
     config.json). With tp of several ranks, only rank tp.rank's shard is built and read. dequantize: a
@@ -153,7 +154,6 @@ def load_model(
     slices, renames = None, {}
     with torch.device("meta"):
         model = model_cls(config)
-        assert isinstance(model, nn.Module)  # every model class is an nn.Module as well as a CausalLM
         if mtp:
             _enable_mtp(model, tp.world_size)
         if tp.world_size > 1:
@@ -215,7 +215,8 @@ def load_model(
     if device.type == "cpu":
         model.lay_out_for_cpu()
         move_weights_to_huge_pages(model)
-    return model.requires_grad_(False).eval(), config
+    model.requires_grad_(False).eval()
+    return model, config
 
 
 def gguf_block_types(path: str | Path, config: Any) -> dict[str, str]:
@@ -264,7 +265,7 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         return done[id(t)]
 
     for module in model.modules():
-        keep = getattr(module, "keep_dtypes", ())
+        keep = module.keep_dtypes if isinstance(module, KeepsDtypes) else ()
         for name, p in module._parameters.items():
             if p is not None:
                 module._parameters[name] = nn.Parameter(empty(p, name in keep), requires_grad=p.requires_grad)
