@@ -102,15 +102,17 @@ class RunnerRequests:
         runner disagree on its tokens, which no output may survive."""
         counted_rows: list[int] = []
         counted: list[int] = []
+        requests, want = self.requests, self.want_prompt_logprobs
         for rid, (position, ids) in new.items():
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            if req.num_tokens != position:
+            if len(req.prompt) + len(req.output) != position:
                 raise RuntimeError(f"request {rid}: the runner holds {req.num_tokens} tokens, but its sampled "
                                    f"tokens go at position {position}")
             req.output.extend(ids)
-            self.want_prompt_logprobs.discard(rid)
+            if want:
+                want.discard(rid)
             if req.penalty_row >= 0:
                 counted_rows += [req.penalty_row] * len(ids)
                 counted += ids
