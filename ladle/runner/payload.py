@@ -107,14 +107,15 @@ def new_tokens(specs: list[ChunkSpec], sampled: dict[str, SampledToken]) -> dict
         tok = sampled.get(s.request_id)
         if tok is None or tok.token_id == PROMPT_ONLY:
             continue
+        at = s.start_pos + s.num_tokens - len(s.draft_token_ids)
         if not tok.accepted:  # (a plain decode row: the hot path of every step)
             if tok.token_id != FAILED:
-                out[s.request_id] = NewTokens(s.start_pos + s.num_tokens, [tok.token_id])
+                out[s.request_id] = NewTokens(at, [tok.token_id])
             continue
         ids = [t for t, _ in tok.accepted]
         if tok.token_id != FAILED:
             ids.append(tok.token_id)
-        out[s.request_id] = NewTokens(s.start_pos + s.num_tokens - len(s.draft_token_ids), ids)
+        out[s.request_id] = NewTokens(at, ids)
     return out
 
 
