@@ -56,7 +56,8 @@ def replay(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     vocab = MODEL["vocab_size"]
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
-    own = args.first + (args.turns - 1) * (args.reply + args.tool) + args.reply  # a session's last turn, less the prefix
+    # A session's last turn, less the shared prefix.
+    own = args.first + (args.turns - 1) * (args.reply + args.tool) + args.reply
     final = args.prefix + own
     # The shared prefix once, and a quarter of the sessions' own tokens at their last turn (plus a block or two
     # per request in flight for its partial tail).
@@ -110,7 +111,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ttft_p50_ms=round(1e3 * percentile([r["ttft_s"] for r in later], 0.5), 1),
         ttft_p99_ms=round(1e3 * percentile([r["ttft_s"] for r in later], 0.99), 1),
         per_turn=[dict(turn=t, prompt=statistics.median(r["prompt"] for r in rs),
-                       new=statistics.median(r["new"] for r in rs), computed=statistics.median(r["computed"] for r in rs),
+                       new=statistics.median(r["new"] for r in rs),
+                       computed=statistics.median(r["computed"] for r in rs),
                        ttft_p50_ms=round(1e3 * percentile([r["ttft_s"] for r in rs], 0.5), 1))
                   for t in sorted({r["turn"] for r in rows}) for rs in [[r for r in rows if r["turn"] == t]]],
     )
