@@ -8,10 +8,11 @@ reply), tokens computed (prompt less the prefix cache's hit) and TTFT (from add_
 returned the first token). The KV pool holds the shared prefix once and a quarter of the sessions' own tokens at
 their last turn.
 
-Today ladle's prefix cache lives only in that pool, so this measures what the tiers of issue 59 are to fix: a
-returning session recomputes its history. Greedy, a tiny random Qwen3 (fp32, CPU).
+Tiers off, the prefix cache lives only in that pool and a returning session recomputes its history; with
+--kv-offloading-size the pool's evicted blocks wait in the host tier and come back on a hit. Each tier setting
+runs in its own engine on the same workload; greedy, a tiny random Qwen3 (fp32, CPU).
 
-    python benchmarks/agent_sessions.py --out benchmarks/results/agent_sessions.json
+    python benchmarks/agent_sessions.py --kv-offloading-size off 64MiB --out benchmarks/results/agent_sessions.json
     python benchmarks/agent_sessions.py --sessions 6 --turns 4 --prefix 320 --tool 40   # the issue's shape
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def replay(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every request of the replay, in the order they finished."""
+def replay(model: str, args: argparse.Namespace, tier: str) -> list[dict[str, Any]]:
+    """Every request of the replay, in the order they finished; tier: kv_offloading_size, or "off"."""
     rng = random.Random(args.seed)
     vocab = MODEL["vocab_size"]
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
@@ -62,7 +63,8 @@ def replay(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     # The shared prefix once, and a quarter of the sessions' own tokens at their last turn (plus a block or two
     # per request in flight for its partial tail).
     blocks = -(-args.prefix // BLOCK) + max(1, args.sessions // 4) * -(-own // BLOCK) + 2 * args.concurrency
-    llm = LLM(model, max_model_len=final + BLOCK, num_kv_blocks=blocks, max_num_seqs=args.concurrency)
+    llm = LLM(model, max_model_len=final + BLOCK, num_kv_blocks=blocks, max_num_seqs=args.concurrency,
+              kv_offloading_size=None if tier == "off" else tier)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
     history = {s: prefix + [rng.randrange(vocab) for _ in range(args.first)] for s in range(args.sessions)}
@@ -96,7 +98,7 @@ def replay(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 reply = list(out.outputs[0].token_ids)
                 sent[session] = history[session] + reply
                 history[session] = sent[session] + [rng.randrange(vocab) for _ in range(args.tool)]
-                rows.append(dict(session=session, **{k: v for k, v in f.items() if k != "start"}))
+                rows.append(dict(session=session, reply=reply, **{k: v for k, v in f.items() if k != "start"}))
         submit()
     return rows
 
@@ -128,11 +130,18 @@ def main() -> None:
     ap.add_argument("--tool", type=int, default=96, help="tokens of tool result a turn appends")
     ap.add_argument("--reply", type=int, default=16, help="tokens a turn decodes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-offloading-size", nargs="+", default=["off"],
+                    help="host tiers to compare: 'off' or a size (e.g. 64MiB), each in its own engine")
     ap.add_argument("--out", help="write the rows and the summary here (JSON)")
     args = ap.parse_args()
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_checkpoint(tmp, **MODEL)
-        rows = replay(model, args)
+        for tier in args.kv_offloading_size:
+            rows = replay(model, args, tier)
+            runs[tier] = dict(summary=summary(rows), rows=rows)
+            print(tier, json.dumps(runs[tier]["summary"]), flush=True)
+    tokens = {tier: [r.get("reply") for r in run["rows"]] for tier, run in runs.items()}
     result = dict(
         command="python benchmarks/agent_sessions.py " + " ".join(sys.argv[1:]),
         cpu=next((line.split(":", 1)[1].strip() for line in subprocess.run(
@@ -140,8 +149,8 @@ def main() -> None:
             platform.processor()),
         workload={k: getattr(args, k) for k in ("sessions", "turns", "concurrency", "prefix", "first", "tool",
                                                  "reply")},
-        tiers="off (the device pool only)", summary=summary(rows), rows=rows)
-    print(json.dumps(result["summary"]))
+        same_tokens=len({json.dumps(t) for t in tokens.values()}) == 1, runs=runs)
+    print("replies equal across tiers:", result["same_tokens"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

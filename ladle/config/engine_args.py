@@ -61,6 +61,9 @@ class EngineArgs:
     block_size: int = flag(16, "tokens per KV block (default 16)")
     num_kv_blocks: int | None = flag(None, "KV pool size in blocks (default: what the memory plan leaves)")
     kv_cache_memory_bytes: int | str | None = flag(None, "KV pool size as bytes or e.g. 2GiB")
+    kv_offloading_size: int | str | None = flag(
+        None, "host memory for the prefix cache's host tier, as bytes or e.g. 8GiB (vLLM's name): cached blocks "
+        "the device pool evicts move there, and a hit on one is copied back (default: no host tier)")
     memory_budget: int | str | None = flag(None, "cap on all ladle may use, e.g. 8GiB (default: measured)")
     gpu_memory_utilization: float = flag(0.9, "CUDA: share of device memory (0.9)")  # vLLM semantics
     enable_prefix_caching: bool = flag(True, "reuse KV of shared prompt prefixes (default on)")
@@ -168,7 +171,7 @@ class EngineArgs:
             raise ValueError(f"load_format={self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("kv_cache_memory_bytes", "memory_budget"):
+        for name in ("kv_cache_memory_bytes", "memory_budget", "kv_offloading_size"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), name)
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:

@@ -71,7 +71,8 @@ class EngineCore:
         self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                  groups=layout.groups, num_state_slots=slots,
                                  num_checkpoints=cfg.num_state_checkpoints,
-                                 checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size))
+                                 checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size),
+                                 host_slots=cfg.num_host_kv_blocks)
         self.stats = EngineStats(experts=self.model_executor.expert_cache_stats())
         self.grammars = StructuredOutputManager(cfg.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(cfg, self.kv, self.stats, self.grammars)
@@ -160,9 +161,17 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         """The gauges and counters a server reports, as of now."""
         stats, kv = self.stats, self.kv
+        host = {}
+        if kv.host is not None:
+            layout = self.config.kv_layout
+            assert layout is not None  # planned before the engine was built
+            host = dict(kv_offload_demoted_blocks=kv.host.num_demoted, kv_offload_promoted_blocks=kv.host.num_promoted,
+                        kv_offload_promoted_bytes=kv.host.num_promoted * layout.block_bytes,
+                        kv_offload_dropped_blocks=kv.host.num_dropped)
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks, **stats.counters())
+            kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks, **stats.counters(),
+            **host)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._ahead is not None

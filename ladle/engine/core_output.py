@@ -57,6 +57,11 @@ class EngineSnapshot:
     moe_fetch_wait_seconds: float = 0.0
     moe_computed_in_place: int = 0
     moe_prefetched: int = 0
+    # The prefix cache's host tier (kv_offloading_size): blocks demoted there, promoted back (hits), dropped.
+    kv_offload_demoted_blocks: int = 0
+    kv_offload_promoted_blocks: int = 0
+    kv_offload_promoted_bytes: int = 0
+    kv_offload_dropped_blocks: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

@@ -58,4 +58,6 @@ class RunnerSync:
             if grew:
                 update.diffs.append(RequestDiff(rid, tuple(t[n:] for t, n in zip(seen.tables, seen.blocks))))
                 seen.blocks = [len(t) for t in seen.tables]
+        if kv.host is not None:
+            update.kv_saves, update.kv_loads = kv.host.take_transfers()
         return update

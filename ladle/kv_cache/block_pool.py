@@ -3,8 +3,8 @@
 Prefix caching (vLLM semantics): a block whose tokens are all written is registered under its BlockKey, the
 prefix node of the tokens it holds (ladle.kv_cache.prefix_tree, where exactness lives) and its group. A freed
 block keeps its key and stays reusable until the pool needs it; the free queue evicts least recently used
-first, and each eviction is reported to on_evict(block id, node), so the node loses the block's reference (and a
-state checkpoint whose hit reads the block goes with it).
+first, and each eviction is reported to on_evict(block id, key), so the node loses the block's reference (or a
+host tier keeps the contents under it), and a state checkpoint whose hit reads the block goes with it.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ BlockKey = tuple[int, int]  # (prefix node, KV cache group): the identity of a c
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, BlockKey], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -79,7 +79,7 @@ class BlockPool:
         self.block_keys[block_id] = None
         self.num_evictions += 1
         if self.on_evict is not None:
-            self.on_evict(block_id, key[0])
+            self.on_evict(block_id, key)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any block is in use."""

@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ladle.kv_cache.block_pool import BlockPool
+from ladle.kv_cache.block_pool import BlockKey, BlockPool
 from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 from ladle.kv_cache.group_tables import GroupTables
-from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit
+from ladle.kv_cache.host_tier import HostTier
+from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
 from ladle.kv_cache.state_checkpoints import CheckpointCopy, StateCheckpoints
@@ -42,16 +43,18 @@ GroupBlocks = tuple[list[int], ...]  # one list per group
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0,
-                 num_checkpoints: int = 0, checkpoint_bytes: int = 0) -> None:
+                 num_checkpoints: int = 0, checkpoint_bytes: int = 0, host_slots: int = 0) -> None:
         """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
         specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
         its state tensors hold (one per running request); a request takes one at admission and gives it back
         when freed. num_checkpoints: state checkpoints, in the state tensors' rows after those slots
-        (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups."""
+        (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
+        host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
         self.pool = BlockPool(num_blocks, on_evict=self._block_evicted)
+        self.host = HostTier(host_slots, self.tree.unref) if enable_caching and host_slots else None
         self.windows = CheckpointWindows()
         specs = [g.spec for g in (groups or (paged_group(),))]
         self.groups = [GroupTables(s.sliding_window, s.compression, block_size) for s in specs]
@@ -76,11 +79,13 @@ class KVCacheManager:
         self.windows.drop(node)
         self.tree.unref(node)
 
-    def _block_evicted(self, block: int, node: int) -> None:
-        """A checkpoint whose hit reads the block's window can serve none now: it goes too."""
+    def _block_evicted(self, block: int, key: BlockKey) -> None:
+        """A checkpoint whose hit reads the block's window can serve none now: it goes too. The host tier, if
+        any, keeps the block's contents (and its node's reference)."""
         for reader in self.windows.readers(block):
             self.checkpoints.evict(reader)
-        self.tree.unref(node)
+        if self.host is None or not self.host.demote(key, block):
+            self.tree.unref(key[0])
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +126,7 @@ class KVCacheManager:
             return PrefixHit(tuple([] for _ in self.groups), 0)
         keys = self._block_tokens(request, (request.num_tokens - 1) // self.block_size)
         return find_hit(self.tree.walk(keys), self.groups, self.pool, self.block_size,
-                        self.checkpoints if self.checkpointing else None)
+                        self.checkpoints if self.checkpointing else None, self.host)
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed_blocks: GroupBlocks = (),
                                num_computed: int = 0) -> int:
@@ -138,7 +143,9 @@ class KVCacheManager:
             first = g.first_needed(num_computed, self.block_size)
             new = max(0, g.blocks_for(ends[gi], self.block_size) - max(len(table) + len(hit), first))
             back = sum(1 for b in table[:first] if b != NULL_BLOCK and self.pool.ref_counts[b] == 1)
-            total += new + sum(1 for b in hit if b != NULL_BLOCK and self.pool.ref_counts[b] == 0) - back
+            # a hit's block in the free queue, or in the host tier (a device block to load it into), costs one
+            taken = sum(1 for b in hit if b < NULL_BLOCK or (b != NULL_BLOCK and self.pool.ref_counts[b] == 0))
+            total += new + taken - back
         return total
 
     def allocate(self, request_id: str, num_tokens: int, computed_blocks: GroupBlocks = (),
@@ -158,7 +165,7 @@ class KVCacheManager:
                 if n:
                     g.tables[request_id].extend(self.pool.allocate(n))
             return True
-        return self._grow(request_id, [num_tokens] * len(self.groups), computed_blocks, num_computed, 0)
+        return self._grow(request_id, [num_tokens] * len(self.groups), computed_blocks, num_computed, 0, ())
 
     def admit(self, request_id: str, num_tokens: int, first_chunk_end: int, chunk: int,
               hit: PrefixHit | None = None) -> bool:
@@ -172,7 +179,7 @@ class KVCacheManager:
         ends = [num_tokens if g.window is None else first_chunk_end for g in self.groups]
         room = sum(max(0, blocks_held(g.window, num_tokens, self.block_size, chunk) - self.blocks_for(first_chunk_end))
                    for g in self.groups if g.window is not None)
-        if not self._grow(request_id, ends, computed_blocks, num_computed, room):
+        if not self._grow(request_id, ends, computed_blocks, num_computed, room, hit.nodes if hit is not None else ()):
             return False
         if self._uses_state and request_id not in self.state_slots:
             self.state_slots[request_id] = self._free_slots.pop()
@@ -210,7 +217,8 @@ class KVCacheManager:
         return copy
 
     def _grow(self, request_id: str, ends: list[int], computed_blocks: GroupBlocks, num_computed: int,
-              room: int) -> bool:
+              room: int, nodes: tuple[int, ...]) -> bool:
+        """nodes: the hit's prefix nodes (the keys of the blocks it takes from the host tier)."""
         if self._need(request_id, ends, computed_blocks, num_computed) + room > self.pool.num_free:
             return False
         # Every group's hit leaves the free queue before any group allocates: otherwise one group's new blocks
@@ -220,9 +228,22 @@ class KVCacheManager:
             if hit:
                 table = g.tables.setdefault(request_id, [])
                 assert not table, "a prefix hit only starts an empty table"
-                self.pool.touch([b for b in hit if b != NULL_BLOCK])
+                self.pool.touch([b for b in hit if b >= 0])
                 table.extend(hit)
                 g.num_cached_block[request_id] = len(hit)
+        if self.host is not None:  # the hit's blocks in the host tier get device blocks, loaded before the forward
+            for gi, g in enumerate(self.groups):
+                table = g.tables.get(request_id, [])
+                per = g.tokens_per_block // self.block_size
+                for i, b in enumerate(table):
+                    slot = host_slot(b)
+                    if slot is None:
+                        continue
+                    key = (nodes[(i + 1) * per - 1], gi)
+                    table[i] = self.pool.allocate(1)[0]
+                    self.host.promote(key, table[i])
+                    if self.pool.cache_block(table[i], key):
+                        self.tree.ref(key[0])
         for gi, g in enumerate(self.groups):
             table = g.tables.setdefault(request_id, [])
             first = g.first_needed(num_computed, self.block_size)
@@ -295,4 +316,9 @@ class KVCacheManager:
         if any(self.pool.ref_counts):
             return False
         self.checkpoints.clear()
-        return self.pool.reset_prefix_cache()
+        host, self.host = self.host, None  # the pool's evictions below are not demotions
+        self.pool.reset_prefix_cache()
+        self.host = host
+        if host is not None:
+            host.clear()
+        return True

@@ -17,26 +17,46 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from ladle.kv_cache.block_pool import BlockPool
     from ladle.kv_cache.group_tables import GroupTables
+    from ladle.kv_cache.host_tier import HostTier
     from ladle.kv_cache.state_checkpoints import StateCheckpoints
 
 NULL_BLOCK = -1  # a table entry given back by a sliding-window group (or never held: a hit past a window)
 
 
+def host_entry(slot: int) -> int:
+    """A hit's entry for a block the host tier holds in `slot` (admission gives it a device block): below -1."""
+    return -2 - slot
+
+
+def host_slot(entry: int) -> int | None:
+    """The host slot a hit's entry names, or None for a device block (or NULL_BLOCK)."""
+    return -2 - entry if entry < NULL_BLOCK else None
+
+
 class PrefixHit(NamedTuple):
-    blocks: tuple[list[int], ...]  # per group: its leading table entries (NULL_BLOCK before a window)
+    # per group: its leading table entries (NULL_BLOCK before a window; host_entry(slot) for one in the host tier)
+    blocks: tuple[list[int], ...]
     num_tokens: int  # tokens the hit serves (0: none)
     nodes: tuple[int, ...] = ()  # prefix nodes of its full blocks
     checkpoint: int = -1  # the state checkpoint it resumes from (-1: none needed)
 
 
 def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, block_size: int,
-             checkpoints: StateCheckpoints | None) -> PrefixHit:
+             checkpoints: StateCheckpoints | None, host: HostTier | None = None) -> PrefixHit:
     """nodes: the prefix nodes of the request's leading full blocks that the tree knows. checkpoints: where a
-    hit also needs a state checkpoint (None: it does not)."""
+    hit also needs a state checkpoint (None: it does not). host: the tier that serves the blocks the pool lost."""
+
+    def lookup(key: tuple[int, int]) -> int | None:
+        block = pool.get_cached_block(key)
+        if block is None and host is not None:
+            slot = host.lookup(key)
+            return None if slot is None else host_entry(slot)
+        return block
+
     cached: list[list[int | None]] = []
     for gi, g in enumerate(groups):
         per = g.tokens_per_block // block_size
-        cached.append([pool.get_cached_block((nodes[(j + 1) * per - 1], gi))
+        cached.append([lookup((nodes[(j + 1) * per - 1], gi))
                        for j in range(len(nodes) * block_size // g.tokens_per_block)])
     # Leading cached blocks per group, and for sliding groups the misses before each block (O(1) range checks).
     leading = [next((j for j, b in enumerate(c) if b is None), len(c)) for c in cached]

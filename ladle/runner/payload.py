@@ -82,9 +82,13 @@ class StateUpdate:
     diffs: list[RequestDiff] = field(default_factory=list)
     # Finished, aborted, preempted or restarted: the runner forgets them (one that runs again comes back whole).
     removed: list[str] = field(default_factory=list)
+    # The prefix cache's host tier (ladle.kv_cache.host_tier): (device block, host slot) copies out, then (host
+    # slot, device block) copies in, both before the step's forward.
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.new_requests or self.diffs or self.removed)
+        return bool(self.new_requests or self.diffs or self.removed or self.kv_saves or self.kv_loads)
 
 
 @dataclass(frozen=True)

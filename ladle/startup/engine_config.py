@@ -31,6 +31,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int
     seed: int
+    num_host_kv_blocks: int = 0  # the prefix cache's host tier, in blocks (ladle.kv_cache.host_tier); 0: none
     enable_prefix_caching: bool = True
     # Models with per-request state (or compressed KV groups): the state checkpoints prefix hits resume from.
     num_state_checkpoints: int = 0

@@ -24,6 +24,7 @@ from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.host_kv_cache import HostKVCache
 from ladle.runner.kv_allocation import allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
@@ -118,6 +119,23 @@ def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int
     return 0, False
 
 
+def _host_tier_blocks(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix_caching: bool) -> int:
+    """kv_offloading_size in blocks of the layout (0 without it); refused where it could hold nothing."""
+    if args.kv_offloading_size is None:
+        prov.put("kv_offloading_size", "off")
+        return 0
+    size = parse_bytes(args.kv_offloading_size, "kv_offloading_size")
+    if not prefix_caching:
+        raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks, but enable_prefix_caching is "
+                         "off; turn it on or drop kv_offloading_size")
+    blocks = size // layout.block_bytes
+    if blocks < 1:
+        raise ValueError(f"kv_offloading_size={args.kv_offloading_size!r} holds no block of this model "
+                         f"({format_bytes(layout.block_bytes)} each); give at least that much")
+    prov.put("kv_offloading_size", f"{format_bytes(size)} ({blocks} blocks)")
+    return blocks
+
+
 def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
     """The KV caches, block tables and attention backends the plan sized, and the runner over them."""
     layout = cfg.kv_layout
@@ -134,10 +152,15 @@ def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
+    host_kv = None
+    if cfg.num_host_kv_blocks:
+        paged = {id(t): t for g in layout.groups for layer in g.layers for t in caches[layer]}
+        host_kv = HostKVCache(list(paged.values()), cfg.num_host_kv_blocks)
     return ModelRunner(model, caches, cfg.block_size, cfg.device,
                        tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
-                       draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative))
+                       draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative),
+                       host_kv=host_kv)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -272,11 +295,13 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     interval = resolve_interval(args, prov, min(plan.max_prefill_length, plan.max_num_batched_tokens),
                                 num_checkpoints)
     prov.put("tensor_parallel_size", tp.world_size)
+    host_blocks = _host_tier_blocks(args, prov, layout, prefix_caching)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
+        num_host_kv_blocks=host_blocks,
         num_state_checkpoints=num_checkpoints, state_checkpoint_interval=interval,
         max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,

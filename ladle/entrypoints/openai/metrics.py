@@ -36,6 +36,13 @@ _COUNTERS = {
     "moe_fetch_wait_seconds": ("moe_fetch_wait_seconds", "Seconds steps waited for tiered experts to arrive."),
     "moe_prefetched": ("moe_prefetched", "Tiered expert fetches started ahead of their turn."),
     "moe_computed_in_place": ("moe_experts_computed_in_place", "Tiered expert misses computed where they live."),
+    "kv_offload_demoted_blocks": ("kv_offload_demoted_blocks", "Cached KV blocks the device pool evicted into the "
+                                                               "host tier (kv_offloading_size)."),
+    "kv_offload_promoted_blocks": ("kv_offload_promoted_blocks", "Prefix-cache hits served from the host tier, in "
+                                                                 "blocks copied back to the device."),
+    "kv_offload_promoted_bytes": ("kv_offload_promoted_bytes", "Bytes copied back from the host tier for hits."),
+    "kv_offload_dropped_blocks": ("kv_offload_dropped_blocks", "Host-tier blocks dropped to make room (least "
+                                                               "recently used first)."),
     "steps_with_lent_cpus": ("engine_steps_with_lent_cpus", "Engine steps run with the API process's idle CPUs "
                                                             "lent (ladle serve on CPU)."),
 }

@@ -1,0 +1,84 @@
+"""The prefix cache's host tier: cached blocks the device pool evicts are demoted to host slots instead of being
+dropped, and a prefix hit on one is promoted back into a fresh device block.
+
+Only ids live here, as in the pool; the runner holds the host tensors and does the copies, which every step's
+StateUpdate carries (ladle.runner.payload): the saves first (device block -> host slot, before the forward that
+may write the block for its new owner), then the loads (host slot -> device block, before any query reads it).
+
+An entry is keyed like a cached device block (its prefix node and KV cache group, ladle.kv_cache.block_pool), so a
+host hit is exact for the same reason a device hit is, and it holds a reference on its node while it lives.
+Caching is inclusive: a promoted block keeps its host copy, so evicting it again copies nothing. Slots are
+reused least recently used first; every page size of a layout is equal (ladle.kv_cache.specs), so one slot
+holds a block of any group.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ladle.kv_cache.block_pool import BlockKey
+
+KVTransfer = tuple[int, int]  # (from, to): a device block and a host slot, or a host slot and a device block
+
+
+class HostTier:
+    def __init__(self, num_slots: int, on_drop: Callable[[int], None]) -> None:
+        """on_drop(node): an entry left the tier (its node loses the reference the entry held)."""
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.on_drop = on_drop
+        self.entries: OrderedDict[BlockKey, int] = OrderedDict()  # least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.saves: list[KVTransfer] = []  # (device block, host slot), for the runner before the next forward
+        self.loads: list[KVTransfer] = []  # (host slot, device block), after the saves
+        self.num_demoted = self.num_promoted = self.num_dropped = 0
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.entries
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.entries.get(key)
+
+    def demote(self, key: BlockKey, block: int) -> bool:
+        """The pool evicts block, cached under key: keep its contents. True when a new entry took the block's
+        reference on the node; False when the tier already held the key, or every slot is being loaded from
+        this step (the caller drops its reference)."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return False
+        if self._free:
+            slot = self._free.pop()
+        else:
+            # The least recently used entry goes, but not one a load of this step still reads (the loads run
+            # after the saves). A slot saved into twice in one step ends with the later save, as it should.
+            loading = {s for s, _ in self.loads}
+            old = next((k for k, s in self.entries.items() if s not in loading), None)
+            if old is None:
+                return False
+            slot = self.entries.pop(old)
+            self.num_dropped += 1
+            self.on_drop(old[0])
+        self.entries[key] = slot
+        self.saves.append((block, slot))
+        self.num_demoted += 1
+        return True
+
+    def promote(self, key: BlockKey, block: int) -> None:
+        """A hit on key is served from device block `block`, filled from the entry's slot before the forward."""
+        slot = self.entries[key]
+        self.entries.move_to_end(key)
+        self.loads.append((slot, block))
+        self.num_promoted += 1
+
+    def take_transfers(self) -> tuple[list[KVTransfer], list[KVTransfer]]:
+        """The copies owed to the runner since the last call: (saves, loads)."""
+        saves, loads, self.saves, self.loads = self.saves, self.loads, [], []
+        return saves, loads
+
+    def clear(self) -> None:
+        for key in list(self.entries):
+            self.on_drop(key[0])
+        self.entries.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.saves, self.loads = [], []

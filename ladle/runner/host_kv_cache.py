@@ -1,0 +1,34 @@
+"""The host tier's tensors (ladle.kv_cache.host_tier): for each distinct tensor of the paged KV pool, num_slots
+blocks in host memory (pinned where the pool is on a GPU), and the copies each step's StateUpdate asks for.
+
+Every paged group's i-th layer shares the pool's i-th tensors (ladle.runner.kv_allocation), so a slot keeps a
+block of any group by copying that block of every tensor."""
+from __future__ import annotations
+
+import torch
+
+
+class HostKVCache:
+    def __init__(self, pool_tensors: list[torch.Tensor], num_slots: int) -> None:
+        """pool_tensors: the paged pool's distinct tensors, [num_blocks, ...] each."""
+        self.pool = pool_tensors
+        pin = any(t.is_cuda for t in pool_tensors)
+        self.host = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in pool_tensors]
+
+    @torch.no_grad()
+    def save(self, copies: list[tuple[int, int]]) -> None:
+        """(device block, host slot) pairs, in order: a slot saved twice keeps the later (its first entry was
+        dropped from the tier within the step)."""
+        last = {s: b for b, s in copies}
+        blocks = torch.tensor(list(last.values()), dtype=torch.long)
+        slots = torch.tensor(list(last), dtype=torch.long)
+        for t, h in zip(self.pool, self.host):
+            h[slots] = t[blocks.to(t.device)].to("cpu")
+
+    @torch.no_grad()
+    def load(self, copies: list[tuple[int, int]]) -> None:
+        """(host slot, device block) pairs."""
+        slots = torch.tensor([s for s, _ in copies], dtype=torch.long)
+        blocks = torch.tensor([b for _, b in copies], dtype=torch.long)
+        for t, h in zip(self.pool, self.host):
+            t[blocks.to(t.device)] = h[slots].to(t.device)

@@ -1,0 +1,115 @@
+"""The prefix cache's host tier (kv_offloading_size): cached blocks the device pool evicts move to host slots,
+and a returning session's hit on them is copied back. Tokens equal the tier-off run's (and a roomy pool's);
+returning sessions compute only what is new; the tier's own bookkeeping keeps slots a step still loads from."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ladle import LLM, SamplingParams
+from ladle.entrypoints.openai.metrics import ServerMetrics
+from ladle.kv_cache.host_tier import HostTier
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_host_tier_entries_are_kept_least_recently_used_first():
+    dropped: list[int] = []
+    tier = HostTier(2, dropped.append)
+    assert tier.demote((10, 0), 5) and tier.demote((11, 0), 6)
+    assert not tier.demote((10, 0), 7)  # held already (inclusive caching): the caller drops its own reference
+    assert tier.take_transfers() == ([(5, 0), (6, 1)], [])
+    tier.promote((11, 0), 3)  # now the most recent; (10, 0) is the least
+    assert tier.demote((12, 0), 8)
+    assert dropped == [10] and (10, 0) not in tier and tier.lookup((12, 0)) == 0
+    assert tier.take_transfers() == ([(8, 0)], [(1, 3)])
+
+
+def test_a_slot_a_step_still_loads_from_is_not_reused():
+    dropped: list[int] = []
+    tier = HostTier(1, dropped.append)
+    assert tier.demote((10, 0), 5)
+    tier.take_transfers()
+    tier.promote((10, 0), 2)
+    assert not tier.demote((11, 0), 6)  # the only slot is read by this step's load: the block is dropped
+    assert dropped == [] and tier.take_transfers() == ([], [(0, 2)])
+    assert tier.demote((11, 0), 6) and dropped == [10]  # the next step may reuse it
+
+
+def _sessions(llm: LLM, sessions: int, turns: int, seed: int = 0) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Sessions sharing a prefix, taking turns; each turn appends the reply and a tool result. Returns every
+    turn's tokens and (new, computed) prompt tokens of each turn after the first."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(500) for _ in range(48)]
+    history = {s: prefix + [rng.randrange(500) for _ in range(30)] for s in range(sessions)}
+    outs, counts = [], []
+    for turn in range(turns):
+        for s in range(sessions):
+            out = llm.generate([{"prompt_token_ids": history[s]}], GREEDY, use_tqdm=False)[0]
+            reply = list(out.outputs[0].token_ids)
+            outs.append(reply)
+            if turn:
+                counts.append((8 + 12, len(history[s]) - out.num_cached_tokens))
+            history[s] = history[s] + reply + [rng.randrange(500) for _ in range(12)]
+    return outs, counts
+
+
+def test_returning_sessions_hit_the_host_tier_and_keep_their_tokens(tiny_qwen3_dir):
+    roomy, _ = _sessions(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=256), 6, 3)
+    off_out, off = _sessions(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=16), 6, 3)
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=16, kv_offloading_size="4MiB")
+    on_out, on = _sessions(llm, 6, 3)
+    assert on_out == off_out == roomy
+    block = llm.config.block_size
+    assert all(computed <= new + block for new, computed in on)  # only what is new, and a partial block
+    assert sum(c for _, c in off) > 2 * sum(c for _, c in on)  # without the tier, histories are recomputed
+    tier = llm.engine.core.kv.host
+    assert tier is not None and tier.num_promoted > 0 and tier.num_demoted > 0
+    setting = llm.config.settings["kv_offloading_size"]
+    assert setting.source == "explicit" and "blocks" in str(setting.value)
+    snap = llm.engine.core.snapshot()
+    assert snap.kv_offload_promoted_blocks == tier.num_promoted and snap.kv_offload_demoted_blocks == tier.num_demoted
+    assert snap.kv_offload_promoted_bytes == tier.num_promoted * llm.config.kv_layout.block_bytes
+    metrics = ServerMetrics("tiny")
+    metrics.on_snapshot(1, snap)
+    text = metrics.render().decode()
+    assert f'ladle:kv_offload_promoted_blocks_total{{model_name="tiny"}} {float(tier.num_promoted)}' in text
+
+
+def test_a_host_tier_smaller_than_the_sessions_drops_the_oldest_and_stays_exact(tiny_qwen3_dir):
+    """Two host blocks for six sessions' histories: entries are dropped and reused mid-run, hits shrink, and
+    no token changes."""
+    want, _ = _sessions(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=256), 6, 3, seed=1)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x fp32
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=24, kv_offloading_size=2 * block_bytes)
+    got, _ = _sessions(llm, 6, 3, seed=1)
+    assert got == want
+    tier = llm.engine.core.kv.host
+    assert tier is not None and tier.num_slots == 2 and tier.num_dropped > 0
+
+
+def test_qwen3_5_hits_through_the_host_tier_keep_their_tokens(tmp_path):
+    """A model with per-request state: a hit also needs its state checkpoint (device-only for now), and the
+    blocks the host tier gives back must hold what the cold run wrote."""
+    from ladle.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16, max_position_embeddings=4096,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
+    want, _ = _sessions(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256), 4, 3, seed=2)
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=24, kv_offloading_size="1MiB")
+    got, _ = _sessions(llm, 4, 3, seed=2)
+    assert got == want
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(kv_offloading_size="1KiB"), "holds no block"),
+    (dict(kv_offloading_size="4MiB", enable_prefix_caching=False), "enable_prefix_caching is off"),
+    (dict(kv_offloading_size="lots"), "kv_offloading_size"),
+])
+def test_a_host_tier_that_cannot_work_is_refused_by_name(tiny_qwen3_dir, bad, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_qwen3_dir, num_kv_blocks=24, **bad)
