@@ -37,6 +37,22 @@ def test_a_slot_a_step_still_loads_from_is_not_reused():
     assert tier.demote((11, 0), 6) and dropped == [10]  # the next step may reuse it
 
 
+def test_slots_an_admission_holds_are_not_dropped():
+    """Promoting a hit's host blocks allocates device blocks, which may evict (and demote) others: the hit's own
+    entries stay until it took them all."""
+    dropped: list[int] = []
+    tier = HostTier(2, dropped.append)
+    assert tier.demote((10, 0), 5) and tier.demote((11, 0), 6)
+    tier.take_transfers()
+    tier.hold({0, 1})
+    assert not tier.demote((12, 0), 7) and dropped == []  # both slots held: the evicted block is simply dropped
+    tier.promote((10, 0), 2)
+    tier.promote((11, 0), 3)
+    tier.release()
+    assert tier.take_transfers() == ([], [(0, 2), (1, 3)])
+    assert tier.demote((12, 0), 7) and dropped == [10]
+
+
 def _sessions(llm: LLM, sessions: int, turns: int, seed: int = 0) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Sessions sharing a prefix, taking turns; each turn appends the reply and a tool result. Returns every
     turn's tokens and (new, computed) prompt tokens of each turn after the first."""

@@ -32,6 +32,7 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self.saves: list[KVTransfer] = []  # (device block, host slot), for the runner before the next forward
         self.loads: list[KVTransfer] = []  # (host slot, device block), after the saves
+        self.held: set[int] = set()  # slots an admission is about to promote: not dropped meanwhile
         self.num_demoted = self.num_promoted = self.num_dropped = 0
 
     def __contains__(self, key: BlockKey) -> bool:
@@ -51,9 +52,10 @@ class HostTier:
             slot = self._free.pop()
         else:
             # The least recently used entry goes, but not one a load of this step still reads (the loads run
-            # after the saves). A slot saved into twice in one step ends with the later save, as it should.
-            loading = {s for s, _ in self.loads}
-            old = next((k for k, s in self.entries.items() if s not in loading), None)
+            # after the saves) nor one an admission holds. A slot saved into twice in one step ends with the later
+            # save, as it should.
+            kept = {s for s, _ in self.loads} | self.held
+            old = next((k for k, s in self.entries.items() if s not in kept), None)
             if old is None:
                 return False
             slot = self.entries.pop(old)
@@ -63,6 +65,14 @@ class HostTier:
         self.saves.append((block, slot))
         self.num_demoted += 1
         return True
+
+    def hold(self, slots: set[int]) -> None:
+        """Keep these slots' entries until release(): an admission's hit promotes them one block at a time, and
+        the device blocks it allocates meanwhile may evict (and demote) others."""
+        self.held = slots
+
+    def release(self) -> None:
+        self.held = set()
 
     def promote(self, key: BlockKey, block: int) -> None:
         """A hit on key is served from device block `block`, filled from the entry's slot before the forward."""

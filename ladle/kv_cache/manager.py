@@ -232,6 +232,8 @@ class KVCacheManager:
                 table.extend(hit)
                 g.num_cached_block[request_id] = len(hit)
         if self.host is not None:  # the hit's blocks in the host tier get device blocks, loaded before the forward
+            # (held meanwhile: allocating a block may evict, and demote, another, which must not drop one of them)
+            self.host.hold({s for t in computed_blocks for b in t if (s := host_slot(b)) is not None})
             for gi, g in enumerate(self.groups):
                 table = g.tables.get(request_id, [])
                 per = g.tokens_per_block // self.block_size
@@ -244,6 +246,7 @@ class KVCacheManager:
                     self.host.promote(key, table[i])
                     if self.pool.cache_block(table[i], key):
                         self.tree.ref(key[0])
+            self.host.release()
         for gi, g in enumerate(self.groups):
             table = g.tables.setdefault(request_id, [])
             first = g.first_needed(num_computed, self.block_size)
