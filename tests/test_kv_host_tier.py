@@ -129,3 +129,32 @@ def test_qwen3_5_hits_through_the_host_tier_keep_their_tokens(tmp_path):
 def test_a_host_tier_that_cannot_work_is_refused_by_name(tiny_qwen3_dir, bad, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_qwen3_dir, num_kv_blocks=24, **bad)
+
+
+def test_concurrent_sessions_under_preemption_with_a_small_tier_keep_their_tokens(tiny_qwen3_dir):
+    """Eight sessions submitted together each turn, a pool tight enough to preempt, and a tier of a few slots:
+    hits, demotions, drops and promotions interleave within steps, and the tokens equal a roomy pool's."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(500) for _ in range(40)]
+    histories = [prefix + [rng.randrange(500) for _ in range(rng.randrange(10, 40))] for _ in range(8)]
+
+    def run(llm: LLM) -> list[list[int]]:
+        hist = [list(h) for h in histories]
+        outs = []
+        r = random.Random(4)
+        for _ in range(3):
+            got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": h} for h in hist],
+                                                                      GREEDY, use_tqdm=False)]
+            outs += got
+            hist = [h + g + [r.randrange(500) for _ in range(r.randrange(5, 20))] for h, g in zip(hist, got)]
+        return outs
+
+    want = run(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=256))
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    llm = LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=14, kv_offloading_size=5 * block_bytes)
+    assert run(llm) == want
+    tier = llm.engine.core.kv.host
+    assert tier is not None and tier.num_promoted > 0 and tier.num_dropped > 0
+    assert llm.stats.num_preemptions > 0
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == kv.num_blocks
