@@ -158,3 +158,15 @@ def test_concurrent_sessions_under_preemption_with_a_small_tier_keep_their_token
     assert llm.stats.num_preemptions > 0
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_tensor_parallel_ranks_keep_their_own_shards_in_the_host_tier(tiny_qwen3_dir):
+    """Each rank's runner applies the same copies to its own KV shard: tokens equal one rank's."""
+    want, _ = _sessions(LLM(tiny_qwen3_dir, max_num_batched_tokens=64, num_kv_blocks=256), 4, 3, seed=5)
+    with LLM(tiny_qwen3_dir, tensor_parallel_size=2, max_num_batched_tokens=64, num_kv_blocks=16,
+             kv_offloading_size="4MiB") as llm:
+        got, counts = _sessions(llm, 4, 3, seed=5)
+        tier = llm.engine.core.kv.host
+        assert tier is not None and tier.num_promoted > 0
+    assert got == want
+    assert all(computed <= new + 16 for new, computed in counts)
