@@ -11,6 +11,7 @@ from ladle.attention.cpu_attention import CpuAttention
 from ladle.attention.metadata import AttentionMetadata
 from ladle.attention.selector import resolve_backend, select_backend
 from ladle.attention.torch_backend import TorchAttention
+from ladle.kernels.cpu_isa import kernel_levels, resolve
 from ladle.kernels.cpu_kernels import build, load
 from ladle.kv_cache.specs import AttentionSpec
 
@@ -48,9 +49,10 @@ def make_step(query_lens: list[int], contexts: list[int], heads: int, kv_heads: 
     return q, k, v, k_cache, v_cache, attn
 
 
-@pytest.fixture(scope="module")
-def backend() -> CpuAttention:
-    return CpuAttention(load())
+@pytest.fixture(scope="module", params=kernel_levels(), ids=lambda level: level.label)
+def backend(request: pytest.FixtureRequest) -> CpuAttention:
+    """The backend over each build of the kernels this CPU runs (its scalar, AVX2, AVX-512 paths)."""
+    return CpuAttention(load(request.param))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,9 +89,10 @@ def test_threads_do_not_change_the_result(backend: CpuAttention) -> None:
 
 def test_build_is_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LADLE_KERNEL_CACHE_DIR", str(tmp_path))
-    first = build()
+    level = resolve()[0]
+    first = build(level)
     stamp = first.stat().st_mtime_ns
-    assert build() == first and first.stat().st_mtime_ns == stamp
+    assert build(level) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 

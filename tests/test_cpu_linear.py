@@ -7,20 +7,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ladle.kernels.cpu_isa import CpuIsa, kernel_levels
 from ladle.kernels.cpu_kernels import load
 from ladle.models.layers.cpu_linear import SKINNY_MAX_ROWS, CpuLinear, use_cpu_linears
 
 
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features,out_features", [(64, 33), (40, 7), (512, 96)])
+@pytest.mark.parametrize("in_features,out_features", [(64, 33), (40, 7), (512, 96), (48, 5)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, SKINNY_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(dtype: torch.dtype, in_features: int, out_features: int, rows: int, bias: bool) -> None:
+def test_matches_f_linear(level: CpuIsa, dtype: torch.dtype, in_features: int, out_features: int, rows: int,
+                          bias: bool) -> None:
+    """Each build's paths: widths of 32 (AVX-512 BF16 pairs), 16 (AVX-512), 8 (AVX2) and 40 (AVX2 only above
+    scalar), odd row counts."""
     g = torch.Generator().manual_seed(rows * 7 + out_features)
     weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None
     x = torch.randn(2, rows, in_features, generator=g).to(dtype)[1]  # a view, not contiguous storage start
-    layer = CpuLinear(weight, b, load())
+    layer = CpuLinear(weight, b, load(level))
     got = layer(x)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
     assert got.dtype == dtype and got.shape == (rows, out_features)

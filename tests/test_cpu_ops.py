@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ladle.kernels.cpu_isa import kernel_levels
 from ladle.kernels.cpu_kernels import load
 from ladle.models.layers.cpu_ops import CpuOps
 from ladle.models.layers.decoder_layer import RotaryEmbedding
 from ladle.models.layers.ops import TorchOps
 
 
-@pytest.fixture(scope="module")
-def ops() -> CpuOps:
-    return CpuOps(load())
+@pytest.fixture(scope="module", params=kernel_levels(), ids=lambda level: level.label)
+def ops(request: pytest.FixtureRequest) -> CpuOps:
+    return CpuOps(load(request.param))
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

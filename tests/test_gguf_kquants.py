@@ -6,8 +6,6 @@ on those weights; and a tiny llama file in K-quants (re-encoded from F32 as llam
 decoder linears kept as blocks and gives transformers' gguf_file= greedy tokens under chunked prefill."""
 from __future__ import annotations
 
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,34 +40,18 @@ def random_blocks(rows: int, in_features: int, qtype: str, seed: int) -> np.ndar
 
 
 @pytest.fixture(scope="module")
-def kernel_builds(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    """ladle's C kernels as built for this CPU, and on x86 also the ones GgmlLinear calls built without AVX2
-    (x86-64-v2: SSE4.2, the same other flags), so their scalar paths run here too (elsewhere the native build
-    is the scalar one)."""
-    import ctypes
-    from types import SimpleNamespace
-
+def kernel_builds() -> list[Any]:
+    """ladle's C kernels as built for each instruction-set level this CPU runs (cpu_isa.kernel_levels: scalar,
+    AVX2, AVX-512, AVX-512 BF16), so every path GgmlLinear calls runs here."""
     from ladle.kernels import cpu_kernels
+    from ladle.kernels.cpu_isa import kernel_levels
 
-    native = cpu_kernels.load()
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return [native]
-    src = Path(cpu_kernels.__file__).resolve().parent / "cpu"
-    flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in cpu_kernels.FLAGS]
-    target = tmp_path_factory.mktemp("scalar_kernels") / "ladle_ggml_scalar.so"
-    subprocess.run(["cc", *flags, str(src / "ggml_linear.c"), str(src / "skinny_linear.c"), "-o", str(target), "-lm"],
-                   check=True, capture_output=True, timeout=300)
-    lib, scalar = ctypes.CDLL(str(target)), SimpleNamespace()
-    for name in ("ggml_linear", "ggml_dequantize", "skinny_linear"):  # typed as the native library types them
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = getattr(native, name).argtypes, getattr(native, name).restype
-        setattr(scalar, name, fn)
-    return [native, scalar]
+    return [cpu_kernels.load(level) for level in kernel_levels()]
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS)
 def test_k_quant_kernels_against_gguf_dequantize(kernel_builds: list[Any], qtype: str) -> None:
-    """The torch fallback and ggml_dequantize (C, AVX2 and scalar builds) widen to exactly gguf's dequantize
+    """The torch fallback and ggml_dequantize (C, every level's build) widen to exactly gguf's dequantize
     values, fp32 and bf16; ggml_linear (the decode rows: 1..24) and the prefill tiles (40 rows, fp32, bf16 by
     skinny_linear and by F.linear) match F.linear over them, with a bias, to fp32 reordering."""
     import gguf

@@ -3,9 +3,10 @@
 Where torch has no fast path for a shape (decode attention reads a few rows against a long paged context:
 gathering it and calling a matmul or the flash kernel runs at a fraction of memory bandwidth), a small C loop
 does, as vLLM's CPU backend does in its own C++. The library is built with the system C compiler for this
-machine (-march=native) into a cache keyed by the source, compiler and CPU, so only the first start pays for
-it (about a second). It links OpenMP by soname, so inside a process where torch has loaded its libgomp the
-kernels run on torch's thread team (and the binding ladle.startup.threads gave it).
+machine (-march=native, less what a lower instruction-set level leaves out: ladle.kernels.cpu_isa) into a cache
+keyed by the source, flags, compiler and CPU, so only the first start pays for it (a few seconds a level). It
+links OpenMP by soname, so inside a process where torch has loaded its libgomp the kernels run on torch's thread
+team (and the binding ladle.startup.threads gave it).
 
 Location: $LADLE_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/ladle/kernels (~/.cache/ladle/kernels).
 """
@@ -20,10 +21,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ladle.kernels.cpu_isa import CpuIsa, compile_flags, resolve
 from ladle.paths import cache_dir
 
-SOURCES = ("decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "ggml_linear.c", "norm_rope.c",
-           "apply_bitmask.c")
+SOURCES = ("isa.c", "decode_attention.c", "skinny_linear.c", "fp8_linear.c", "mxfp4_linear.c", "ggml_linear.c",
+           "norm_rope.c", "apply_bitmask.c")
 # No contraction of a * b + c into one fma: each product and sum rounds as torch's separate ops round.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -43,8 +45,9 @@ def _cpu_signature() -> bytes:
     return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
 
 
-def build(compiler: str | None = None) -> Path:
-    """The compiled library's path, building it if this source, compiler and CPU have none cached yet."""
+def build(isa: CpuIsa, compiler: str | None = None) -> Path:
+    """The compiled library's path for the given level, building it if this source, level, compiler and CPU have
+    none cached yet."""
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise KernelUnavailable("no C compiler found (install gcc, or set CC)")
@@ -55,7 +58,8 @@ def build(compiler: str | None = None) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers) + " ".join(FLAGS).encode()
+    flags = (*FLAGS, *compile_flags(isa))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources + headers) + " ".join(flags).encode()
                          + version.encode() + _cpu_signature()).hexdigest()[:20]
     target = cache_dir("kernels", "LADLE_KERNEL_CACHE_DIR") / f"ladle_cpu_{key}.so"
     if target.exists():
@@ -65,7 +69,7 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True,
+        out = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:
             raise KernelUnavailable(f"compiling the CPU kernels failed: {out.stderr.strip()[-500:]}")
@@ -77,14 +81,21 @@ def build(compiler: str | None = None) -> Path:
 
 
 class CpuKernels:
-    """The loaded library, its functions typed."""
+    """The loaded library, its functions typed; isa: the level it was built for (its vector paths)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, isa: CpuIsa) -> None:
         try:
             self.lib = ctypes.CDLL(str(path))
         except OSError as e:
             raise KernelUnavailable(f"cannot load {path}: {e}") from None
         self.path = path
+        # AMX is oneDNN's (torch's matmuls): the kernels' own paths stop at AVX-512 BF16.
+        self.lib.ladle_isa.argtypes, self.lib.ladle_isa.restype = [], ctypes.c_int
+        built = CpuIsa(self.lib.ladle_isa())
+        if built != min(isa, CpuIsa.AVX512_BF16):
+            raise KernelUnavailable(f"the kernels built for {isa.label} have the {built.label} paths: the compiler "
+                                    f"ignored the level's flags")
+        self.isa = isa
         f32, flag, status = ctypes.c_float, ctypes.c_int, ctypes.c_int  # status: 0, or -1 out of memory
         self.paged_decode_attention = self._typed(
             "paged_decode_attention",
@@ -114,6 +125,8 @@ class CpuKernels:
         return fn
 
 
-def load() -> CpuKernels:
-    """Build (if needed) and load the kernels; raises KernelUnavailable saying why not."""
-    return CpuKernels(build())
+def load(isa: CpuIsa | None = None) -> CpuKernels:
+    """Build (if needed) and load the kernels for the given level, by default this process's (cpu_isa.resolve:
+    $LADLE_CPU_ISA, else the CPU's own); raises KernelUnavailable saying why not."""
+    level = resolve()[0] if isa is None else isa
+    return CpuKernels(build(level), level)

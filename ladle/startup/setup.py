@@ -30,6 +30,7 @@ from ladle.runner.model_runner import ModelRunner
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
 from ladle.startup import profile_cache
 from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
+from ladle.startup.cpu_isa import resolve_cpu_isa
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
@@ -193,6 +194,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     pin = args.reserved_cpus > 0 and tp.world_size * num_threads <= len(usable_cpus()) - args.reserved_cpus
     lending = resolve_lending(args, prov, num_threads, pin, tp.world_size) if device.type == "cpu" else None
     bound = apply_threads(num_threads, device, pin=pin, first=tp.rank * num_threads, lending=lending)
+    if device.type == "cpu":
+        resolve_cpu_isa(prov)
     if bound is not None:
         prov.put("cpu_binding", " ".join(map(str, bound)),
                  f"OpenMP thread i on the i-th of these CPUs, as vLLM binds; {args.reserved_cpus} left to the API "

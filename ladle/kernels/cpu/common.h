@@ -1,4 +1,6 @@
-/* What every CPU kernel of ladle shares: fp32 <-> bf16, element access in either dtype, and the AVX2 pieces. */
+/* What every CPU kernel of ladle shares: fp32 <-> bf16, element access in either dtype, and the AVX2 and AVX-512
+ * pieces. Which vector paths a build has is decided by its compiler flags (ladle/kernels/cpu_isa.py builds one
+ * library per instruction-set level): LADLE_AVX2, LADLE_AVX512 (F, BW, VL, DQ) and LADLE_AVX512_BF16. */
 #ifndef LADLE_CPU_COMMON_H
 #define LADLE_CPU_COMMON_H
 
@@ -49,6 +51,33 @@ static inline __m256 sum8x8(const __m256 a[8]) {
 }
 #else
 #define LADLE_AVX2 0
+#endif
+
+#if LADLE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LADLE_AVX512 1
+
+/* base[at .. at + 16) as fp32 */
+static inline __m512 load16(const void *base, int64_t at, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + at);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Eight 16-lane vectors -> one 8-lane vector of their eight horizontal sums. */
+static inline __m256 sum8x16(const __m512 a[8]) {
+    __m256 halves[8];
+    for (int i = 0; i < 8; i++)
+        halves[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+    return sum8x8(halves);
+}
+#else
+#define LADLE_AVX512 0
+#endif
+
+#if LADLE_AVX512 && defined(__AVX512BF16__)
+#define LADLE_AVX512_BF16 1
+#else
+#define LADLE_AVX512_BF16 0
 #endif
 
 #endif
