@@ -151,19 +151,18 @@ def model_facts(model_dir: str) -> dict[str, Any]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and the widest vector ISA it offers, as every figure must name them."""
-    model, flags = platform.processor(), set()
+    """The CPU's model name and its instruction-set level (ladle.kernels.cpu_isa), as every figure must name them."""
+    from ladle.kernels.cpu_isa import cpu_flags, detect, evidence
+
+    model = platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    isa = ("AVX-512 + AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags
-           else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
-    return f"{model} ({isa}), {os.cpu_count()} cores"
+    flags = cpu_flags()
+    level = detect(flags)
+    return f"{model} ({level.label}; {evidence(level, flags)}), {os.cpu_count()} cores"
 
 
 def machine() -> dict[str, Any]:

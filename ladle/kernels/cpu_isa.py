@@ -128,7 +128,7 @@ def resolve(environ: dict[str, str] | os._Environ[str] | None = None,
     native = detect(flags)
     asked = environ.get(ENV, "").strip()
     if not asked:
-        return native, f"derived from {evidence(native, flags)}"
+        return native, evidence(native, flags)
     try:
         level = CpuIsa.parse(asked)
     except ValueError as e:

@@ -48,6 +48,20 @@ static inline void dots8_strided(float *out, const float *q, const void *base, i
     _mm256_storeu_ps(out, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
 }
 
+#if LADLE_AVX512
+/* dots8_strided, 16 lanes wide: d a multiple of 16. */
+static inline void dots8_strided_512(float *out, const float *q, const void *base, int64_t at, int64_t stride,
+                                     int64_t d, float scale, int is_bf16) {
+    __m512 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+        const __m512 qc = _mm512_loadu_ps(q + c);
+        for (int t = 0; t < 8; t++) acc[t] = _mm512_fmadd_ps(qc, load16(base, at + t * stride + c, is_bf16), acc[t]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum8x16(acc), _mm256_set1_ps(scale)));
+}
+#endif
+
 /* exp(x) for eight floats (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within 2 ulp of
  * expf over the range softmax meets; exp(-inf) is 0. */
 static inline __m256 exp8(__m256 x) {
@@ -112,6 +126,11 @@ static int attend_range(const void *q, const void *pool_k, const void *pool_v, c
             const float *qh = qf + h * d;
             float m = maxes[h];
             int64_t t = 0;
+#if LADLE_AVX512
+            if (d % 16 == 0)
+                for (; t + 8 <= n; t += 8) dots8_strided_512(s + t, qh, k_pool, at + t * token_stride, token_stride,
+                                                              d, scale, is_bf16);
+#endif
 #if LADLE_AVX2
             if (d % 8 == 0)
                 for (; t + 8 <= n; t += 8) dots8_strided(s + t, qh, k_pool, at + t * token_stride, token_stride, d,
@@ -131,6 +150,14 @@ static int attend_range(const void *q, const void *pool_k, const void *pool_v, c
             for (; t < n; t++) s[t] = expf(s[t] - m);
             for (t = 0; t < n; t++) sum += s[t];
             int64_t j = 0;
+#if LADLE_AVX512
+            for (; j + 16 <= d; j += 16) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ah + j), _mm512_set1_ps(grow));
+                for (t = 0; t < n; t++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v_pool, at + t * token_stride + j, is_bf16), a);
+                _mm512_storeu_ps(ah + j, a);
+            }
+#endif
 #if LADLE_AVX2
             /* Eight columns of the accumulator stay in a register across the run's V rows. */
             for (; j + 8 <= d; j += 8) {
