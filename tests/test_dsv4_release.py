@@ -12,6 +12,7 @@ import torch
 
 from hf_oracle import assert_greedy_under_preemption, ladle_tokens
 from ladle import LLM, SamplingParams
+from ladle.kernels.cpu_isa import kernel_levels
 from ladle.testing.fp8_checkpoints import hf_dequantized, write_dsv4_release_checkpoint
 from test_deepseek_v4 import CSA, HCA, SW, build, hf_greedy, prompts_of
 
@@ -133,9 +134,11 @@ def test_dequantize_weights_widens_at_load_and_gives_the_same_tokens(release, un
 
 @pytest.mark.parametrize("rows,k,n", [(1, 256, 64), (3, 64, 256), (24, 96, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dtype):
-    """ladle's mxfp4_linear (an expert's decode rows) against F.linear on the widened weight: every nibble
-    (both signs of zero), scales from 2^-127 (E8M0's 0) to 2^8, partial 4-row tiles."""
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
+def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dtype, level):
+    """ladle's mxfp4_linear (an expert's decode rows) against F.linear on the widened weight, at every
+    instruction-set level this CPU runs: every nibble (both signs of zero), scales from 2^-127 (E8M0's 0) to 2^8,
+    partial 4-row tiles."""
     from ladle.kernels.cpu_kernels import load
     from ladle.quantization.fp8_linear import WidenBuffer
     from ladle.quantization.mxfp4 import Mxfp4ExpertStack
@@ -147,7 +150,7 @@ def test_the_c_kernel_reads_mxfp4_bytes_as_the_dequantized_weight(rows, k, n, dt
     scales[0, 0, 0], scales[0, 1, 0] = 0, 135
     scales = scales.view(torch.float8_e8m0fnu)
     x = torch.randn(rows, k).to(dtype)
-    stack = Mxfp4ExpertStack(packed, scales, dtype, load(), WidenBuffer())
+    stack = Mxfp4ExpertStack(packed, scales, dtype, load(level), WidenBuffer())
     for expert in range(2):  # a prefill's widening in C: the same bits as torch's, and its product
         assert torch.equal(stack.widened(expert, dtype), stack[expert])
         many = torch.randn(30, k).to(dtype)

@@ -12,6 +12,7 @@ from ladle.testing.fp8_checkpoints import hf_dequantized, quantize_block_fp8, wr
 from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
 from ladle.demo import build_checkpoint
+from ladle.kernels.cpu_isa import kernel_levels
 from ladle.quantization.fp8_linear import Fp8ExpertStack, Fp8Linear, WidenBuffer
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -187,14 +188,16 @@ def test_fp8_experts_give_hf_dequantized_tokens(tmp_path, expert_dtype, fmt, val
     assert experts and all((m.weight_format, m.w13.dtype) == (fmt, values) for m in experts)
 
 
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
 @pytest.mark.parametrize("out_features,in_features,rows", [(1100, 304, 3), (256, 256, 1), (200, 136, 1), (520, 260, 5),
                                                            (384, 1024, 24)])
-def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in_features, rows):
-    """ladle's fp8_linear (decode rows) against F.linear on the dequantized weight: ragged blocks, a width off the
-    vector size (the scalar path), subnormal and negative-zero bytes, a bias."""
+def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in_features, rows, level):
+    """ladle's fp8_linear (decode rows) against F.linear on the dequantized weight, at every instruction-set level
+    this CPU runs: ragged blocks, widths off the AVX-512 (136) and AVX2 (260: the scalar path) vector sizes,
+    subnormal and negative-zero bytes, a bias."""
     from ladle.kernels.cpu_kernels import load
 
-    kernels = load()
+    kernels = load(level)
     torch.manual_seed(out_features)
     values, scales = quantize_block_fp8(torch.randn(out_features, in_features) * 0.05, (128, 128))
     values.view(torch.uint8).view(-1)[:16] = torch.arange(16, dtype=torch.uint8) | 0x80  # -0 and subnormals
@@ -209,8 +212,9 @@ def test_the_c_kernel_reads_fp8_bytes_as_the_dequantized_weight(out_features, in
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
 @pytest.mark.parametrize("magnitude", [1e3, 1e30])
-def test_the_c_kernel_keeps_large_activations_finite_and_exact(magnitude):
+def test_the_c_kernel_keeps_large_activations_finite_and_exact(magnitude, level):
     """The kernel scales x by 2^e to skip a per-weight multiply; activations too large for 2^120 take a smaller e
     and still give F.linear's result, batch 1 and batched."""
     from ladle.kernels.cpu_kernels import load
@@ -221,7 +225,7 @@ def test_the_c_kernel_keeps_large_activations_finite_and_exact(magnitude):
     layer.weight.data.copy_(values)
     layer.weight_scale_inv.data.copy_(scales)
     want_weight = layer.dequantized(0, 256, torch.float32)
-    layer.use_cpu_kernels(load(), native_bf16=True)
+    layer.use_cpu_kernels(load(level), native_bf16=True)
     for rows in (1, 3):
         x = torch.randn(rows, 512) * magnitude
         want = torch.nn.functional.linear(x, want_weight)

@@ -100,6 +100,72 @@ static void tile2x4(float out[8], const float *xs, int64_t k, const uint8_t *w, 
 }
 #endif
 
+#if LADLE_AVX512
+/* e4m3x8_raw, 16 bytes at once */
+static inline __m512 e4m3x16_raw(const uint8_t *p) {
+    const __m512i b = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)), 20);
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0x87f00000u)));
+}
+
+/* tile2x1, 16 lanes wide: k and block_k multiples of 16. */
+static void tile2x1_512(float out[2], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
+                        const float *scale0, const float *scale1, int64_t block_k, float unscale) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
+        const int64_t c1 = c0 + block_k < k ? c0 + block_k : k;
+        __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps(), q0 = _mm512_setzero_ps(), q1 = _mm512_setzero_ps();
+        int64_t c = c0;
+        for (; c + 32 <= c1; c += 32) {
+            _mm_prefetch((const char *)w + w1 + k + c * 2, _MM_HINT_T0);
+            const __m512 xa = _mm512_loadu_ps(xs + c), xb = _mm512_loadu_ps(xs + c + 16);
+            p0 = _mm512_fmadd_ps(xa, e4m3x16_raw(w + w0 + c), p0);
+            p1 = _mm512_fmadd_ps(xa, e4m3x16_raw(w + w1 + c), p1);
+            q0 = _mm512_fmadd_ps(xb, e4m3x16_raw(w + w0 + c + 16), q0);
+            q1 = _mm512_fmadd_ps(xb, e4m3x16_raw(w + w1 + c + 16), q1);
+        }
+        for (; c < c1; c += 16) {
+            const __m512 xi = _mm512_loadu_ps(xs + c);
+            p0 = _mm512_fmadd_ps(xi, e4m3x16_raw(w + w0 + c), p0);
+            p1 = _mm512_fmadd_ps(xi, e4m3x16_raw(w + w1 + c), p1);
+        }
+        acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), _mm512_set1_ps(scale0[blk] * unscale), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), _mm512_set1_ps(scale1[blk] * unscale), acc1);
+    }
+    __m512 sums[8] = {acc0, acc1, acc0, acc1, acc0, acc1, acc0, acc1};
+    float all[8];
+    _mm256_storeu_ps(all, sum8x16(sums));
+    out[0] = all[0];
+    out[1] = all[1];
+}
+
+/* tile2x4, 16 lanes wide: k and block_k multiples of 16. */
+static void tile2x4_512(float out[8], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
+                        const float *scale0, const float *scale1, int64_t block_k, float unscale) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += block_k, blk++) {
+        const int64_t c1 = c0 + block_k < k ? c0 + block_k : k;
+        __m512 part[8];
+        for (int i = 0; i < 8; i++) part[i] = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c1; c += 16) {
+            _mm_prefetch((const char *)w + w1 + k + c * 2, _MM_HINT_T0);
+            const __m512 a = e4m3x16_raw(w + w0 + c), b = e4m3x16_raw(w + w1 + c);
+            for (int i = 0; i < 4; i++) {
+                const __m512 xi = _mm512_loadu_ps(xs + i * k + c);
+                part[i] = _mm512_fmadd_ps(xi, a, part[i]);
+                part[4 + i] = _mm512_fmadd_ps(xi, b, part[4 + i]);
+            }
+        }
+        const __m512 s0 = _mm512_set1_ps(scale0[blk] * unscale), s1 = _mm512_set1_ps(scale1[blk] * unscale);
+        for (int i = 0; i < 4; i++) {
+            acc[i] = _mm512_fmadd_ps(part[i], s0, acc[i]);
+            acc[4 + i] = _mm512_fmadd_ps(part[4 + i], s1, acc[4 + i]);
+        }
+    }
+    _mm256_storeu_ps(out, sum8x16(acc));
+}
+#endif
+
 static void tile_scalar(float out[8], const float *xs, int64_t k, const uint8_t *w, int64_t w0, int64_t w1,
                         const float *scale0, const float *scale1, int64_t block_k, float unscale) {
     for (int r = 0; r < 2; r++)
@@ -120,6 +186,7 @@ int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void 
                int64_t n, int64_t k, int64_t block_n, int64_t block_k, int is_bf16, int num_threads) {
     const int64_t m4 = (m + 3) / 4 * 4, grid_k = (k + block_k - 1) / block_k;
     const int vector = LADLE_AVX2 && k % 8 == 0 && block_k % 8 == 0;
+    const int wide = LADLE_AVX512 && k % 16 == 0 && block_k % 16 == 0; /* the AVX-512 tiles */
     float *xs = malloc(sizeof(float) * (size_t)(m4 * k));
     if (xs == NULL) return -1;
     if (!(vector && m == 1)) memset(xs + m * k, 0, sizeof(float) * (size_t)((m4 - m) * k)); /* tile rows past m */
@@ -155,13 +222,21 @@ int fp8_linear(const void *x, const uint8_t *w, const float *scales, const void 
         float out[8];
 #if LADLE_AVX2
         if (vector && m == 1) {
-            tile2x1(out, xs, k, w, r0 * k, r1 * k, s0, s1, block_k, unscale);
+#if LADLE_AVX512
+            if (wide) tile2x1_512(out, xs, k, w, r0 * k, r1 * k, s0, s1, block_k, unscale);
+            else
+#endif
+                tile2x1(out, xs, k, w, r0 * k, r1 * k, s0, s1, block_k, unscale);
             for (int64_t t = 0; t < 2 && r0 + t < n; t++)
                 put(y, r0 + t, out[t] + (bias == NULL ? 0.f : get(bias, r0 + t, is_bf16)), is_bf16);
             continue;
         }
 #endif
         for (int64_t i0 = 0; i0 < m4; i0 += 4) {
+#if LADLE_AVX512
+            if (wide) tile2x4_512(out, xs + i0 * k, k, w, r0 * k, r1 * k, s0, s1, block_k, unscale);
+            else
+#endif
 #if LADLE_AVX2
             if (vector) tile2x4(out, xs + i0 * k, k, w, r0 * k, r1 * k, s0, s1, block_k, unscale);
             else

@@ -40,6 +40,7 @@ static inline void group32(const uint8_t *p, __m256 v[4]) {
     v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
 }
 
+#if !LADLE_AVX512
 /* out[i] = x row i . W row r for the mi (<= 4) fp32 rows of xs (stride k). */
 static void row_avx2(float *out, const float *xs, int64_t mi, int64_t k, const uint8_t *w, const uint8_t *scales) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -62,6 +63,30 @@ static void row_avx2(float *out, const float *xs, int64_t mi, int64_t k, const u
         _mm256_storeu_ps(lanes, acc[i]);
         out[i] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     }
+}
+#endif
+#endif
+
+#if LADLE_AVX512
+/* row_avx2, 16 lanes wide: a group's 32 values as two vectors of 16 in input order. */
+static void row_512(float *out, const float *xs, int64_t mi, int64_t k, const uint8_t *w, const uint8_t *scales) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)TWICE_E2M1), low = _mm_set1_epi8(0x0f);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < k / 32; g++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(w + g * 16));
+        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low));
+        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)));
+        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)));
+        _mm_prefetch((const char *)w + k / 2 + g * 16, _MM_HINT_T0); /* the next row */
+        const __m512 s = _mm512_set1_ps(half_scale(scales[g]));
+        for (int64_t i = 0; i < mi; i++) {
+            const float *x = xs + i * k + g * 32;
+            const __m512 part = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), v1, _mm512_mul_ps(_mm512_loadu_ps(x), v0));
+            acc[i] = _mm512_fmadd_ps(part, s, acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < mi; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 #endif
 
@@ -92,7 +117,9 @@ int mxfp4_linear(const void *x, const uint8_t *w, const uint8_t *scales, void *y
         for (int64_t i0 = 0; i0 < m; i0 += 4) {
             const int64_t mi = m - i0 < 4 ? m - i0 : 4;
             float out[4];
-#if LADLE_AVX2
+#if LADLE_AVX512
+            row_512(out, xs + i0 * k, mi, k, w + r * (k / 2), scales + r * (k / 32));
+#elif LADLE_AVX2
             row_avx2(out, xs + i0 * k, mi, k, w + r * (k / 2), scales + r * (k / 32));
 #else
             row_scalar(out, xs + i0 * k, mi, k, w + r * (k / 2), scales + r * (k / 32));
