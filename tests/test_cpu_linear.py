@@ -49,3 +49,16 @@ def test_replaces_every_linear_over_the_same_weight() -> None:
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert all(m.weight is w for m, w in zip(layers, weights))  # the same tensors: nothing copied
     torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_batch(level: CpuIsa, dtype: torch.dtype) -> None:
+    """A lone decode row (the batch-1 tile where a level has one) gives the bits it gets beside other rows."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(70, 96, generator=g) / 10).to(dtype)
+    x = torch.randn(6, 96, generator=g).to(dtype)
+    layer = CpuLinear(weight, None, load(level))
+    together = layer(x)
+    for i in range(6):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])

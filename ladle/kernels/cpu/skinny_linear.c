@@ -5,8 +5,11 @@
  * two of W per tile, eight fp32 accumulators reduced together. BLAS and oneDNN reach a third to a half of the
  * memory bandwidth at these shapes here (benchmarks/cpu_linear.py). bf16 weights are widened on the fly, so a
  * bf16 model reads half the bytes; accumulation is fp32 and the result is rounded once, as torch's bf16 matmul
- * does. With AVX-512 the tile is 16 lanes wide; with AVX-512 BF16 a bf16 tile multiplies bf16 pairs directly
- * (vdpbf16ps: each product of two bf16 values is exact in fp32, summed in fp32), so nothing is widened.
+ * does. With AVX-512 BF16 a bf16 tile multiplies bf16 pairs directly (vdpbf16ps: each product of two bf16 values
+ * is exact in fp32, summed in fp32), so nothing is widened. On a Zen 4 EPYC (benchmarks/cpu_isa.py and repeats of
+ * its kernel table) it ran 1.5-1.9x the widening tile at 8-16 rows and 1.2-1.4x at one row (its own tile), but
+ * 0.75-1.15x at 2-4 rows, unexplained yet; it runs at every row count, so a row's bits never depend on the batch. A 16-lane fp32 tile measured 1.1-1.2x slower there than this 8-lane one
+ * (its 512-bit units are double-pumped 256-bit ones, and the read of W bounds the kernel), so fp32 keeps it.
  *
  * x [M, K], y [M, N]: both of the weight's dtype; bias [N] of that dtype or NULL. Work is split over W's rows.
  */
@@ -37,28 +40,6 @@ static inline void tile2x4(float out[8], const float *xs, int64_t k, const void 
 }
 #endif
 
-#if LADLE_AVX512
-/* tile2x4, 16 lanes wide: k a multiple of 16. */
-static inline void tile2x4_512(float out[8], const float *xs, int64_t k, const void *w, int64_t w0, int64_t w1,
-                               int is_bf16) {
-    __m512 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t size = is_bf16 ? 2 : 4;
-    const char *ahead = (const char *)w + (w1 + k) * size;
-    for (int64_t c = 0; c < k; c += 16) {
-        _mm_prefetch(ahead + c * 2 * size, _MM_HINT_T0); /* 32 values of the next row pair a step: 1-2 lines */
-        if (!is_bf16) _mm_prefetch(ahead + c * 2 * size + 64, _MM_HINT_T0);
-        const __m512 a = load16(w, w0 + c, is_bf16), b = load16(w, w1 + c, is_bf16);
-        for (int i = 0; i < 4; i++) {
-            const __m512 xi = _mm512_loadu_ps(xs + i * k + c);
-            acc[i] = _mm512_fmadd_ps(xi, a, acc[i]);
-            acc[4 + i] = _mm512_fmadd_ps(xi, b, acc[4 + i]);
-        }
-    }
-    _mm256_storeu_ps(out, sum8x16(acc));
-}
-#endif
-
 #if LADLE_AVX512_BF16
 /* tile2x4 for bf16 rows of x (xb, stride k) and W, 32 values a step: k a multiple of 32. */
 static inline void tile2x4_bf16(float out[8], const uint16_t *xb, int64_t k, const uint16_t *w, int64_t w0,
@@ -78,6 +59,23 @@ static inline void tile2x4_bf16(float out[8], const uint16_t *xb, int64_t k, con
     }
     _mm256_storeu_ps(out, sum8x16(acc));
 }
+
+/* tile2x4_bf16 for a lone x row (a batch-1 decode), skipping the padding rows' work: out[0] and out[4] get the
+ * bits tile2x4_bf16 gives them (the same chains, reduced alike), so a row's result does not depend on the batch. */
+static inline void tile2x1_bf16(float out[8], const uint16_t *xb, int64_t k, const uint16_t *w, int64_t w0,
+                                int64_t w1) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    const char *ahead = (const char *)(w + w1 + k);
+    for (int64_t c = 0; c < k; c += 32) {
+        _mm_prefetch(ahead + c * 4, _MM_HINT_T0);
+        _mm_prefetch(ahead + c * 4 + 64, _MM_HINT_T0);
+        const __m512bh xi = (__m512bh)_mm512_loadu_si512(xb + c);
+        acc[0] = _mm512_dpbf16_ps(acc[0], xi, (__m512bh)_mm512_loadu_si512(w + w0 + c));
+        acc[4] = _mm512_dpbf16_ps(acc[4], xi, (__m512bh)_mm512_loadu_si512(w + w1 + c));
+    }
+    _mm256_storeu_ps(out, sum8x16(acc));
+}
 #endif
 
 static inline void tile_scalar(float out[8], const float *xs, int64_t k, const void *w, int64_t w0, int64_t w1,
@@ -90,19 +88,17 @@ static inline void tile_scalar(float out[8], const float *xs, int64_t k, const v
         }
 }
 
-static inline void tile(float out[8], const float *xs, const uint16_t *xb, int64_t k, const void *w, int64_t w0,
-                        int64_t w1, int is_bf16) {
+/* rows: how many of the tile's 4 x rows are real (the rest pad) */
+static inline void tile(float out[8], const float *xs, const uint16_t *xb, int64_t rows, int64_t k, const void *w,
+                        int64_t w0, int64_t w1, int is_bf16) {
 #if LADLE_AVX512_BF16
     if (xb != NULL) {
-        tile2x4_bf16(out, xb, k, (const uint16_t *)w, w0, w1);
+        if (rows == 1) tile2x1_bf16(out, xb, k, (const uint16_t *)w, w0, w1);
+        else tile2x4_bf16(out, xb, k, (const uint16_t *)w, w0, w1);
         return;
     }
-#endif
-#if LADLE_AVX512
-    if (k % 16 == 0) {
-        tile2x4_512(out, xs, k, w, w0, w1, is_bf16);
-        return;
-    }
+#else
+    (void)rows;
 #endif
 #if LADLE_AVX2
     if (k % 8 == 0) {
@@ -135,7 +131,8 @@ int skinny_linear(const void *x, const void *w, const void *bias, void *y, int64
         const int64_t r0 = 2 * r, r1 = r0 + 1 < n ? r0 + 1 : r0; /* an odd last row pairs with itself */
         float out[8];
         for (int64_t i0 = 0; i0 < m4; i0 += 4) {
-            tile(out, xs == NULL ? NULL : xs + i0 * k, xb == NULL ? NULL : xb + i0 * k, k, w, r0 * k, r1 * k, is_bf16);
+            tile(out, xs == NULL ? NULL : xs + i0 * k, xb == NULL ? NULL : xb + i0 * k, m - i0, k, w, r0 * k, r1 * k,
+                 is_bf16);
             for (int64_t t = 0; t < 2 && r0 + t < n; t++) {
                 const float b = bias == NULL ? 0.f : get(bias, r0 + t, is_bf16);
                 for (int64_t i = i0; i < i0 + 4 && i < m; i++) put(y, i * n + r0 + t, out[t * 4 + i - i0] + b, is_bf16);
