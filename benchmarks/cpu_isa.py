@@ -75,14 +75,15 @@ def worker(model_dir: str, dtype: str, repeats: int) -> dict[str, Any]:
 
     llm = LLM(model_dir, dtype=dtype)
     engine, vocab = llm.engine, 32000
-    prefill = Workload(random_workload(1, (512, 512), (1, 1), vocab, 1).prompts, [1])
-    single = random_workload(1, (16, 16), (128, 128), vocab, 2)
-    batch = random_workload(16, (64, 64), (128, 128), vocab, 3)
     run_ladle_offline(engine, random_workload(2, (64, 64), (8, 8), vocab, 0))  # warm up
     runs: dict[str, list[float]] = {"ttft_512_ms": [], "decode_itl_ms": [], "batch16_output_tok_s": []}
-    for _ in range(repeats):
+    for i in range(repeats):  # new prompts each repeat: a prefix-cache hit would skip the prefill
+        seed = 10 * (i + 1)
+        prefill = Workload(random_workload(1, (512, 512), (1, 1), vocab, seed).prompts, [1])
         runs["ttft_512_ms"].append(run_ladle_offline(engine, prefill)["ttft_ms"]["median"])
+        single = random_workload(1, (16, 16), (128, 128), vocab, seed + 1)
         runs["decode_itl_ms"].append(run_ladle_offline(engine, single)["itl_ms"]["median"])
+        batch = random_workload(16, (64, 64), (128, 128), vocab, seed + 2)
         runs["batch16_output_tok_s"].append(run_ladle_offline(engine, batch)["output_tok_per_s"])
     tokens = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in batch.prompts[:4]], greedy_params(), use_tqdm=False)]

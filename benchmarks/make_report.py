@@ -16,6 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_common import LAT, OUT, RESULTS, header, load, notes, plt, save_plot, table  # noqa: E402
 from report_agent import agent_turns  # noqa: E402
+from report_cpu_isa import cpu_isa  # noqa: E402
 from report_parallel import tensor_parallel  # noqa: E402
 from report_quantized import quantized  # noqa: E402
 from report_llamacpp import llamacpp_gguf  # noqa: E402
@@ -237,7 +238,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
     ("llamacpp_gguf", llamacpp_gguf),
     ("structured", structured), ("long_context", long_context), ("spec_decode", spec_decode),
     ("spec_decode_mtp", spec_decode_mtp), ("expert_tiering", expert_tiering), ("perplexity", perplexity_lines),
-    ("spec_decode_smollm2", spec_decode_smollm2)]
+    ("spec_decode_smollm2", spec_decode_smollm2), ("cpu_isa", cpu_isa)]
 
 
 def main() -> None:
