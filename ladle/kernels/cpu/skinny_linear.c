@@ -41,9 +41,12 @@ static inline void tile2x4(float out[8], const float *xs, int64_t k, const void 
 #endif
 
 #if LADLE_AVX512_BF16
-/* tile2x4 for bf16 rows of x (xb, stride k) and W, 32 values a step: k a multiple of 32. */
-static inline void tile2x4_bf16(float out[8], const uint16_t *xb, int64_t k, const uint16_t *w, int64_t w0,
-                                int64_t w1) {
+/* tile2x4 for bf16 rows of x (xb, stride k) and W, 32 values a step: k a multiple of 32. rows (a constant at
+ * each call: 4, or 1 for a batch-1 decode, which skips the padding rows' work) of x are real; a row's chains and
+ * their reduction are the same either way, so its result does not depend on the batch. */
+static inline __attribute__((always_inline)) void tile2x4_bf16(float out[8], const uint16_t *xb, int64_t k,
+                                                                 const uint16_t *w, int64_t w0, int64_t w1,
+                                                                 const int rows) {
     __m512 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
     const char *ahead = (const char *)(w + w1 + k);
@@ -51,28 +54,11 @@ static inline void tile2x4_bf16(float out[8], const uint16_t *xb, int64_t k, con
         _mm_prefetch(ahead + c * 4, _MM_HINT_T0);
         _mm_prefetch(ahead + c * 4 + 64, _MM_HINT_T0);
         const __m512bh a = (__m512bh)_mm512_loadu_si512(w + w0 + c), b = (__m512bh)_mm512_loadu_si512(w + w1 + c);
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < rows; i++) {
             const __m512bh xi = (__m512bh)_mm512_loadu_si512(xb + i * k + c);
             acc[i] = _mm512_dpbf16_ps(acc[i], xi, a);
             acc[4 + i] = _mm512_dpbf16_ps(acc[4 + i], xi, b);
         }
-    }
-    _mm256_storeu_ps(out, sum8x16(acc));
-}
-
-/* tile2x4_bf16 for a lone x row (a batch-1 decode), skipping the padding rows' work: out[0] and out[4] get the
- * bits tile2x4_bf16 gives them (the same chains, reduced alike), so a row's result does not depend on the batch. */
-static inline void tile2x1_bf16(float out[8], const uint16_t *xb, int64_t k, const uint16_t *w, int64_t w0,
-                                int64_t w1) {
-    __m512 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
-    const char *ahead = (const char *)(w + w1 + k);
-    for (int64_t c = 0; c < k; c += 32) {
-        _mm_prefetch(ahead + c * 4, _MM_HINT_T0);
-        _mm_prefetch(ahead + c * 4 + 64, _MM_HINT_T0);
-        const __m512bh xi = (__m512bh)_mm512_loadu_si512(xb + c);
-        acc[0] = _mm512_dpbf16_ps(acc[0], xi, (__m512bh)_mm512_loadu_si512(w + w0 + c));
-        acc[4] = _mm512_dpbf16_ps(acc[4], xi, (__m512bh)_mm512_loadu_si512(w + w1 + c));
     }
     _mm256_storeu_ps(out, sum8x16(acc));
 }
@@ -93,8 +79,8 @@ static inline void tile(float out[8], const float *xs, const uint16_t *xb, int64
                         int64_t w0, int64_t w1, int is_bf16) {
 #if LADLE_AVX512_BF16
     if (xb != NULL) {
-        if (rows == 1) tile2x1_bf16(out, xb, k, (const uint16_t *)w, w0, w1);
-        else tile2x4_bf16(out, xb, k, (const uint16_t *)w, w0, w1);
+        if (rows == 1) tile2x4_bf16(out, xb, k, (const uint16_t *)w, w0, w1, 1);
+        else tile2x4_bf16(out, xb, k, (const uint16_t *)w, w0, w1, 4);
         return;
     }
 #else
