@@ -93,8 +93,8 @@ class CpuKernels:
         self.lib.ladle_isa.argtypes, self.lib.ladle_isa.restype = [], ctypes.c_int
         built = CpuIsa(self.lib.ladle_isa())
         if built != min(isa, CpuIsa.AVX512_BF16):
-            raise KernelUnavailable(f"the kernels built for {isa.label} have the {built.label} paths: the compiler "
-                                    f"ignored the level's flags")
+            raise KernelUnavailable(f"the kernels built for {isa.label} have the {built.label} paths (a compiler "
+                                    f"older than this CPU?); set LADLE_CPU_ISA={built.label}, or a newer CC")
         self.isa = isa
         f32, flag, status = ctypes.c_float, ctypes.c_int, ctypes.c_int  # status: 0, or -1 out of memory
         self.paged_decode_attention = self._typed(
