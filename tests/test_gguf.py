@@ -15,6 +15,7 @@ import torch
 
 from hf_oracle import hf_greedy, ladle_tokens
 from ladle import LLM, SamplingParams
+from ladle.kernels.cpu_isa import CpuIsa, kernel_levels
 from ladle.testing.gguf_checkpoints import tiny_hf_model, write_gguf
 
 # Prompts long enough to be cut into several chunks by max_prefill_length 7, of different lengths so a step
@@ -245,11 +246,12 @@ def test_blocks_stay_quantized_and_equal_the_widened_path(gguf_dir, arch: str, q
     assert ladle_tokens(quantized, prompts, params) == ladle_tokens(widened, prompts, params)
 
 
+@pytest.mark.parametrize("level", kernel_levels(), ids=lambda level: level.label)
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_block_kernels_against_gguf_dequantize(qtype: str) -> None:
+def test_block_kernels_against_gguf_dequantize(qtype: str, level: CpuIsa) -> None:
     """ggml_dequantize (C) and the torch fallback widen to exactly gguf's dequantize values; ggml_linear (C,
-    the decode rows) matches F.linear over them for 1..24 rows in fp32 and bf16, with a bias; a prefill's rows
-    widen tile by tile to the same product."""
+    the decode rows, at every instruction-set level this CPU runs) matches F.linear over them for 1..24 rows in
+    fp32 and bf16, with a bias; a prefill's rows widen tile by tile to the same product."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -257,7 +259,7 @@ def test_block_kernels_against_gguf_dequantize(qtype: str) -> None:
     from ladle.quantization.fp8_linear import WidenBuffer
     from ladle.quantization.ggml_linear import GgmlLinear, torch_dequantize
 
-    kernels = cpu_kernels.load()
+    kernels = cpu_kernels.load(level)
     g = torch.Generator().manual_seed(0)
     out_features, in_features = 72, 160
     weights = (torch.randn(out_features, in_features, generator=g) * 0.3).numpy()
