@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV = "LADLE_CPU_ISA"
@@ -119,8 +120,7 @@ def evidence(level: CpuIsa, flags: frozenset[str]) -> str:
     return text
 
 
-def resolve(environ: dict[str, str] | os._Environ[str] | None = None,
-            flags: frozenset[str] | None = None) -> tuple[CpuIsa, str]:
+def resolve(environ: Mapping[str, str] | None = None, flags: frozenset[str] | None = None) -> tuple[CpuIsa, str]:
     """The level this process runs at and why: $LADLE_CPU_ISA where set (refused above what the CPU has), else
     the CPU's own."""
     environ = os.environ if environ is None else environ

@@ -17,7 +17,7 @@ def resolve_cpu_isa(prov: Provenance) -> CpuIsa:
     """The level ladle's kernels run at; a bad $LADLE_CPU_ISA is refused here, before anything loads."""
     flags = cpu_flags()
     level, why = resolve(os.environ, flags)
-    if level < detect(flags):
+    if level < detect(flags):  # lowered by LADLE_CPU_ISA
         # oneDNN reads its cap when it first runs a primitive: early in a fresh engine process, as here.
         cap = os.environ.setdefault(ONEDNN_ENV, ONEDNN_CAPS[level])
         why += f"; oneDNN capped at {cap} ({ONEDNN_ENV}), torch's own ops are not (ATEN_CPU_CAPABILITY)"
