@@ -13,6 +13,7 @@ from ladle.models.qwen2 import Qwen2ForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
 from ladle.models.qwen3_5.model import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ladle.models.qwen3_moe import Qwen3MoeForCausalLM
+from ladle.models.qwen4_exp.model import Qwen4ExpForCausalLM
 
 MODELS: Mapping[str, type[ConfiguredModel]] = MappingProxyType({
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -23,9 +24,11 @@ MODELS: Mapping[str, type[ConfiguredModel]] = MappingProxyType({
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
     # Image-text checkpoints whose text model ladle serves: built from their text_config (text_config_of).
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
+    "Qwen4ExpForConditionalGeneration": Qwen4ExpForCausalLM,
 })
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 # HF modules whose linear-attention layers call these module-level functions; each is HF's PyTorch version
 # wrapped by use_kernel_func_from_hub_with_fallback, which keeps it as __wrapped__.
-_MODULES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+_MODULES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 _FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
               "causal_conv1d_update")
 

@@ -1,0 +1,131 @@
+"""QSA indexed attention (HF's Qwen4ExpTextAttention with its Qwen4ExpTextQSAIndexer): Qwen3.5's gated attention
+(q/k norm, partial rope, a sigmoid gate on the output) where each query attends only to the tokens its indexer
+selects.
+
+The indexer projects each token to indexer_n_heads query heads and one raw key. A query at position p sees
+(p + 1) // R complete blocks of R = indexer_compress_ratio tokens; each block's key is the fp32 mean of its raw
+keys, normed (k_layernorm) and roped at the block's first position. The query scores every such block (the
+sum over its heads of relu(q . key), / sqrt(indexer_head_dim)) and attends to the tokens of its top
+indexer_budget // R blocks plus the incomplete tail (the tokens after the last complete block, itself among
+them).
+
+Caches: K and V paged as for full attention; the raw indexer keys paged per token too, in a cache layer of their
+own with the same spec (its K tensor holds the key in its first indexer_head_dim values; V is unused). The block
+keys are recomputed from the paged raw keys when a step needs them, so a block completed across prefill chunks
+(or a prefix-cache hit) gives the same keys as HF's whole-prompt pass. This is the torch reference: each request's
+context is gathered whole.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ladle.attention.backend import BackendMetadata
+from ladle.models.layers.ops import apply_rotary
+from ladle.models.qwen3_5.model import GatedAttention
+from ladle.models.qwen4_exp.norms import GroupedRMSNorm
+
+
+class QsaIndexer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.heads, self.dim = config.indexer_n_heads, config.indexer_head_dim
+        self.ratio = config.indexer_compress_ratio
+        self.top_blocks = config.indexer_budget // self.ratio
+        self.index_qk_proj = nn.Linear(config.hidden_size, (self.heads + 1) * self.dim, bias=False)
+        self.q_layernorm = GroupedRMSNorm(self.dim, config.rms_norm_eps)
+        self.k_layernorm = GroupedRMSNorm(self.dim, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (normed, roped queries [T, heads, dim], raw keys [T, dim])."""
+        q, k = self.index_qk_proj(x).split((self.heads * self.dim, self.dim), dim=-1)
+        return partial_rope(self.q_layernorm(q.view(-1, self.heads, self.dim)), cos, sin), k
+
+    def visible(self, q: torch.Tensor, positions: torch.Tensor, raw_keys: torch.Tensor, rope: Any) -> torch.Tensor:
+        """One request: queries q [L, heads, dim] at positions [L] and the raw keys of its context [C, dim] ->
+        which context tokens each query attends to, [L, C] bool. rope: the model's rotary embedding."""
+        c, r = raw_keys.shape[0], self.ratio
+        token = torch.arange(c, device=q.device)
+        causal = token[None, :] <= positions[:, None]
+        complete = (positions + 1) // r  # each query's complete blocks
+        n = c // r
+        if n == 0 or int(complete.max()) <= self.top_blocks:
+            return causal  # no query has more blocks than it may keep
+        pooled = raw_keys[: n * r].view(n, r, self.dim).float().mean(dim=1).to(raw_keys.dtype)
+        block = torch.arange(n, device=q.device)
+        cos, sin = rope(block * r, q.dtype)  # each block roped at its first position
+        keys = partial_rope(self.k_layernorm(pooled)[:, None], cos, sin)[:, 0]
+        seen = block[None, :] < complete[:, None]
+        picked = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
+        picked[:, :n] = seen
+        for j in (complete > self.top_blocks).nonzero().flatten().tolist():
+            # One query at a time, as HF scores it: relu zeroes many scores, and torch.topk breaks those ties by
+            # the vector it is given, so each query ranks exactly its own complete blocks.
+            m = int(complete[j])
+            scores = torch.matmul(q[j].float(), keys[:m].float().transpose(-1, -2)).transpose(-1, -2)
+            top = (torch.relu(scores).sum(-1) / math.sqrt(self.dim)).topk(self.top_blocks, dim=0).indices
+            picked[j, :n] = False
+            picked[j, top] = True
+        in_block = torch.clamp(token // r, max=n).expand(q.shape[0], -1)
+        tail = token[None, :] >= (complete * r)[:, None]
+        return causal & (picked.gather(1, in_block) | tail)
+
+
+class IndexedAttention(GatedAttention):
+    """Names as HF's checkpoint has them: `self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `indexer.*`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.indexer = QsaIndexer(config)
+        self.kv_width = self.num_kv_heads * self.head_dim
+        if self.indexer.dim > self.kv_width:
+            raise ValueError(f"indexer_head_dim {self.indexer.dim} is wider than num_key_value_heads x head_dim "
+                             f"{self.kv_width}: the indexer's keys are paged in a K/V page of the same spec")
+
+    # It takes more than Qwen3.5's attention (positions, the indexer's key cache, the rope for block keys): a
+    # different call, on purpose, so no caller can run it as plain causal attention.
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,  # type: ignore[override]
+                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], index_cache: tuple[torch.Tensor, ...],
+                attn: BackendMetadata, rope: Any) -> torch.Tensor:
+        """rope: the model's rotary embedding, for the block keys' positions."""
+        t = x.shape[0]
+        q_gate, k, v = self._qkv(x, cos, sin)
+        q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = partial_rope(self.q_norm(q), cos, sin)
+        iq, raw = self.indexer.project(x, cos, sin)
+        attn.backend.write_kv(k, v, kv_cache[0], kv_cache[1], attn)
+        key_pool = index_cache[0].view(-1, self.kv_width)
+        key_pool[attn.slot_mapping, : self.indexer.dim] = raw.to(key_pool.dtype)
+        out = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        cu = attn.cu_seqlens_q.tolist()
+        for i, c in enumerate(attn.context_lens_host):
+            rows = slice(cu[i], cu[i + 1])
+            if cu[i + 1] == cu[i]:
+                continue
+            ids = attn.block_tables[i, : -(-c // kv_cache[0].shape[1])].to(torch.long)
+            keys, values = (cache.index_select(0, ids).view(-1, self.num_kv_heads, self.head_dim)[:c]
+                            for cache in kv_cache[:2])
+            raw_keys = index_cache[0].index_select(0, ids).view(-1, self.kv_width)[:c, : self.indexer.dim]
+            mask = self.indexer.visible(iq[rows], positions[rows], raw_keys, rope)
+            out[rows] = _masked_attention(q[rows], keys, values, mask, self.scale)
+        o = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on the first cos.shape[-1] dims of each head (HF's apply_rotary_pos_emb with partial rotary)."""
+    rot = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q [L, H, D], k/v [C, kvh, D], mask [L, C] -> [L, H, D]; query head h reads kv head h // (H / kvh)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,chd->hlc", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hlc,chd->lhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
