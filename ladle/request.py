@@ -54,6 +54,7 @@ class Request:
     num_passed_over: int = 0  # admissions that jumped ahead while the KV pool could not take this one
     # The prefix cache's keys of the full blocks seen so far (kv_cache.manager), made once per block.
     block_tokens: list = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # their SHA-256 chain (ladle.kv_cache.disk_format)
     prefill_chunks: list[int] = field(default_factory=list)  # the sizes of the prefill chunks run, in order
     # Token positions where the frontend saw a message end: state checkpoints go there (rounded to a block).
     checkpoint_marks: tuple[int, ...] = ()

@@ -64,6 +64,11 @@ class EngineArgs:
     kv_offloading_size: int | str | None = flag(
         None, "host memory for the prefix cache's host tier, as bytes or e.g. 8GiB (vLLM's name): cached blocks "
         "the device pool evicts move there, and a hit on one is copied back (default: no host tier)")
+    kv_disk_cache_dir: str | None = flag(
+        None, "directory for the prefix cache's disk tier, below the host tier (needs kv_offloading_size): every "
+        "cached block is also written there, so sessions outlive the host tier and restarts (default: no disk tier)")
+    kv_disk_cache_size: int | str | None = flag(
+        None, "bytes the disk tier may use, e.g. 50GiB (default: a tenth of the free space in kv_disk_cache_dir)")
     memory_budget: int | str | None = flag(None, "cap on all ladle may use, e.g. 8GiB (default: measured)")
     gpu_memory_utilization: float = flag(0.9, "CUDA: share of device memory (0.9)")  # vLLM semantics
     enable_prefix_caching: bool = flag(True, "reuse KV of shared prompt prefixes (default on)")
@@ -171,7 +176,7 @@ class EngineArgs:
             raise ValueError(f"load_format={self.load_format!r}: choose one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("kv_cache_memory_bytes", "memory_budget", "kv_offloading_size"):
+        for name in ("kv_cache_memory_bytes", "memory_budget", "kv_offloading_size", "kv_disk_cache_size"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), name)
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:

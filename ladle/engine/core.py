@@ -22,6 +22,7 @@ from ladle.executor.executor import Executor
 from ladle.executor.factory import create_executor
 from ladle.experts.expert_files import ExpertFileError
 from ladle.gguf.path import gguf_file_of
+from ladle.kv_cache.disk_tier import DiskTier
 from ladle.kv_cache.manager import KVCacheManager
 from ladle.request import Request, RequestStatus, child_request_ids
 from ladle.runner.payload import PendingStep, SampledToken
@@ -35,7 +36,8 @@ logger = logging.getLogger("ladle")
 # Steps in a row that fail for every request they hold before the engine gives up (and its process exits,
 # for the server's supervisor to restart): then the device or the model is broken, not a request.
 MAX_FAILED_STEPS_IN_A_ROW = 2
-# With nothing to run but requests whose grammars compile, a step waits this long for one of them.
+# With nothing to run but requests whose grammars compile (or whose prefixes are read from the KV disk tier), a
+# step waits this long for one of them.
 GRAMMAR_WAIT_S = 0.05
 
 
@@ -57,6 +59,15 @@ def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def disk_tier(cfg: EngineConfig) -> DiskTier | None:
+    """The prefix cache's disk tier the startup configured (None: none)."""
+    disk, layout = cfg.kv_disk, cfg.kv_layout
+    if disk is None or layout is None:
+        return None
+    return DiskTier(disk.directory, disk.identity, disk.capacity_bytes, disk.specs, disk.entry_bytes,
+                    len(layout.groups), cfg.block_size)
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, explicit: frozenset[str]) -> None:
         self.model_executor: Executor = create_executor(args, explicit)
@@ -72,7 +83,7 @@ class EngineCore:
                                  groups=layout.groups, num_state_slots=slots,
                                  num_checkpoints=cfg.num_state_checkpoints,
                                  checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size),
-                                 host_slots=cfg.num_host_kv_blocks)
+                                 host_slots=cfg.num_host_kv_blocks, disk=disk_tier(cfg))
         self.stats = EngineStats(experts=self.model_executor.expert_cache_stats())
         self.grammars = StructuredOutputManager(cfg.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(cfg, self.kv, self.stats, self.grammars)
@@ -92,8 +103,11 @@ class EngineCore:
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # a step launched before its inputs were read
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks and leave the process group (a no-op on one device)."""
+        """Stop the other tensor-parallel ranks and leave the process group (a no-op on one device); the disk
+        tier's reads stop and its writes finish."""
         self.grammars.shutdown()
+        if self.kv.disk is not None:
+            self.kv.disk.shutdown()
         self.model_executor.shutdown()
 
     @property
@@ -156,7 +170,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, so the next prompts compute everything; False while requests run."""
-        return not self.has_unfinished_requests() and self.kv.reset_prefix_cache()
+        if self.has_unfinished_requests() or not self.kv.reset_prefix_cache():
+            return False
+        self.model_executor.apply(self.sync.flush(self.kv))  # the disk tier's deletions
+        return True
 
     def snapshot(self) -> EngineSnapshot:
         """The gauges and counters a server reports, as of now."""
@@ -168,6 +185,9 @@ class EngineCore:
             host = dict(kv_offload_demoted_blocks=kv.host.num_demoted, kv_offload_promoted_blocks=kv.host.num_promoted,
                         kv_offload_promoted_bytes=kv.host.num_promoted * layout.block_bytes,
                         kv_offload_dropped_blocks=kv.host.num_dropped)
+        if kv.disk is not None:
+            host |= dict(kv_disk_stored_blocks=kv.disk.num_stored, kv_disk_loaded_blocks=kv.disk.num_loaded,
+                         kv_disk_misses=kv.disk.num_misses, kv_disk_evicted_blocks=kv.disk.num_evicted)
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks, **stats.counters(),
@@ -192,6 +212,9 @@ class EngineCore:
                 if refused or self.grammars.num_pending:
                     if not refused:
                         self.grammars.wait(GRAMMAR_WAIT_S)
+                    return refused
+                if self.kv.disk is not None and self.kv.disk.num_reading:
+                    self.kv.disk.wait(GRAMMAR_WAIT_S)  # its waiting requests' prefixes are being read from disk
                     return refused
                 if self.scheduler.has_unfinished():
                     # Admission checks guarantee a lone request fits, so an idle step with work left is a bug:
@@ -276,7 +299,7 @@ class EngineCore:
         """The tail of every step: count steps that failed for every request in them (raising when that
         happens too often in a row), and when the engine goes idle let the runner forget who finished."""
         if not self.has_unfinished_requests():
-            self.model_executor.apply(self.sync.flush())
+            self.model_executor.apply(self.sync.flush(self.kv))
         # A failure with a known cause (a client's grammar, a tiered expert's changed file) says nothing of whether
         # the device or the model works: only failures of the engine count.
         failed = sum(o.finish_reason == "error" and o.error_code is None for o in outs)

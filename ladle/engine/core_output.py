@@ -62,6 +62,12 @@ class EngineSnapshot:
     kv_offload_promoted_blocks: int = 0
     kv_offload_promoted_bytes: int = 0
     kv_offload_dropped_blocks: int = 0
+    # The disk tier below it (kv_disk_cache_dir): blocks written, read back for hits, read and refused by a check
+    # (torn, stale, foreign: computed instead), deleted past kv_disk_cache_size.
+    kv_disk_stored_blocks: int = 0
+    kv_disk_loaded_blocks: int = 0
+    kv_disk_misses: int = 0
+    kv_disk_evicted_blocks: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

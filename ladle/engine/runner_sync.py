@@ -26,9 +26,12 @@ class RunnerSync:
         if self._sent.pop(request_id, None) is not None:
             self._removed.append(request_id)
 
-    def flush(self) -> StateUpdate:
-        """Only who left: sent when the engine goes idle, so the runner holds no ended request meanwhile."""
+    def flush(self, kv: KVCacheManager) -> StateUpdate:
+        """Who left, and the disk tier's writes: sent when the engine goes idle, so the runner holds no ended
+        request meanwhile and the last step's blocks reach the disk without waiting for another step."""
         update, self._removed = StateUpdate(removed=self._removed), []
+        if kv.disk is not None:
+            update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
         return update
 
     def update(self, sched: SchedulerOutput, kv: KVCacheManager) -> StateUpdate:
@@ -60,4 +63,6 @@ class RunnerSync:
                 seen.blocks = [len(t) for t in seen.tables]
         if kv.host is not None:
             update.kv_saves, update.kv_loads = kv.host.take_transfers()
+        if kv.disk is not None:
+            update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
         return update

@@ -105,6 +105,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.poll_disk()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         running = self.policy.order(self.running)
@@ -241,6 +242,8 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(req)
             if self._prefix_in_flight(req, hit.num_tokens, [c.request for c in found]):
                 continue
+            if self.kv.fetch_from_disk(req, hit):
+                continue  # passed over, keeping its place, while its prefix's blocks are read from disk
             if self.limits.is_long(req.num_tokens - hit.num_tokens):
                 if num_long >= self.limits.max_long_partial_prefills:
                     continue

@@ -95,4 +95,6 @@ class Executor:
         """Call back with the reason when part of the executor dies between steps (never, in one process)."""
 
     def shutdown(self) -> None:
-        """Release what the executor started (nothing, in one process)."""
+        """Release what the executor started (in one process: the runner's disk-tier writer, which finishes
+        its writes first)."""
+        self.runner.shutdown()

@@ -2,8 +2,9 @@
 dropped, and a prefix hit on one is promoted back into a fresh device block.
 
 Only ids live here, as in the pool; the runner holds the host tensors and does the copies, which every step's
-StateUpdate carries (ladle.runner.payload): the saves first (device block -> host slot, before the forward that
-may write the block for its new owner), then the loads (host slot -> device block, before any query reads it).
+StateUpdate carries (ladle.runner.payload): the fills from the disk tier first (ladle.kv_cache.disk_tier), then the
+saves (device block -> host slot, before the forward that may write the block for its new owner), then the loads
+(host slot -> device block, before any query reads it).
 
 An entry is keyed like a cached device block (its prefix node and KV cache group, ladle.kv_cache.block_pool), so a
 host hit is exact for the same reason a device hit is, and it holds a reference on its node while it lives.
@@ -33,7 +34,7 @@ class HostTier:
         self.saves: list[KVTransfer] = []  # (device block, host slot), for the runner before the next forward
         self.loads: list[KVTransfer] = []  # (host slot, device block), after the saves
         self.held: set[int] = set()  # slots an admission is about to promote: not dropped meanwhile
-        self.num_demoted = self.num_promoted = self.num_dropped = 0
+        self.num_demoted = self.num_promoted = self.num_dropped = self.num_filled = 0
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self.entries
@@ -48,23 +49,44 @@ class HostTier:
         if key in self.entries:
             self.entries.move_to_end(key)
             return False
-        if self._free:
-            slot = self._free.pop()
-        else:
-            # The least recently used entry goes, but not one a load of this step still reads (the loads run
-            # after the saves) nor one an admission holds. A slot saved into twice in one step ends with the later
-            # save, as it should.
-            kept = {s for s, _ in self.loads} | self.held
-            old = next((k for k, s in self.entries.items() if s not in kept), None)
-            if old is None:
-                return False
-            slot = self.entries.pop(old)
-            self.num_dropped += 1
-            self.on_drop(old[0])
+        slot = self._take_slot()
+        if slot is None:
+            return False
         self.entries[key] = slot
         self.saves.append((block, slot))
         self.num_demoted += 1
         return True
+
+    def _take_slot(self, for_fill: bool = False) -> int | None:
+        """A free slot, else the least recently used entry's; but not one a load of this step still reads (the
+        loads run after the saves and fills) nor one an admission holds, and for a fill not one a save of this
+        step writes (the fills run first). A slot written twice in one step ends with the later write, as it
+        should. None when every slot is kept."""
+        if self._free:
+            return self._free.pop()
+        kept = {s for s, _ in self.loads} | self.held
+        if for_fill:
+            kept |= {s for _, s in self.saves}
+        old = next((k for k, s in self.entries.items() if s not in kept), None)
+        if old is None:
+            return None
+        slot = self.entries.pop(old)
+        self.num_dropped += 1
+        self.on_drop(old[0])
+        return slot
+
+    def fill(self, key: BlockKey) -> int | None:
+        """A slot for key's block, read from the disk tier: the runner writes it (fills run before the saves),
+        and the entry takes the caller's reference on key's node. None when the tier holds key already or
+        every slot is kept (the caller drops its reference)."""
+        if key in self.entries:
+            return None
+        slot = self._take_slot(for_fill=True)
+        if slot is None:
+            return None
+        self.entries[key] = slot
+        self.num_filled += 1
+        return slot
 
     def hold(self, slots: set[int]) -> None:
         """Keep these slots' entries until release(): an admission's hit promotes them one block at a time, and

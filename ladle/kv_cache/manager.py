@@ -16,6 +16,8 @@ Invariants:
   its complete blocks, and a model with per-request state (or compressed groups, whose last partial block is
   in the checkpoint) with a state checkpoint there. Blocks and checkpoints are registered under prefix nodes
   (ladle.kv_cache.prefix_tree), so each is found without the others.
+- With a disk tier (ladle.kv_cache.disk_tier), every block registered is also written to disk, and a prefix that
+  continues on disk past the device and host tiers is read back into host slots before its request is admitted.
 - A checkpoint is registered only after the forward that reached its position has run and copied the state
   (cache_full_blocks again); a request holds at most one pending checkpoint, freed with the request. A
   registered checkpoint is evicted with any window block its hit reads (ladle.kv_cache.checkpoint_windows).
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ladle.kv_cache.block_pool import BlockKey, BlockPool
 from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
+from ladle.kv_cache.disk_tier import DiskRead, DiskTier
 from ladle.kv_cache.group_tables import GroupTables
 from ladle.kv_cache.host_tier import HostTier
 from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
@@ -43,18 +46,23 @@ GroupBlocks = tuple[list[int], ...]  # one list per group
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0,
-                 num_checkpoints: int = 0, checkpoint_bytes: int = 0, host_slots: int = 0) -> None:
+                 num_checkpoints: int = 0, checkpoint_bytes: int = 0, host_slots: int = 0,
+                 disk: DiskTier | None = None) -> None:
         """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
         specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
         its state tensors hold (one per running request); a request takes one at admission and gives it back
         when freed. num_checkpoints: state checkpoints, in the state tensors' rows after those slots
         (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
-        host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none)."""
+        host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none). disk: the tier
+        below it (its reads fill host slots, so it needs one)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
         self.pool = BlockPool(num_blocks, on_evict=self._block_evicted)
         self.host = HostTier(host_slots, self.tree.unref) if enable_caching and host_slots else None
+        if disk is not None and self.host is None:
+            raise ValueError("the KV disk tier reads into host slots: it needs prefix caching and a host tier")
+        self.disk = disk
         self.windows = CheckpointWindows()
         specs = [g.spec for g in (groups or (paged_group(),))]
         self.groups = [GroupTables(s.sliding_window, s.compression, block_size) for s in specs]
@@ -275,6 +283,9 @@ class KVCacheManager:
             for i in range(len(chain), end):
                 parent = self.tree.extend(parent, keys[i])
                 chain.append(parent)
+        disk = self.disk
+        if disk is not None:
+            disk.digests(request, end)
         for gi, g in enumerate(self.groups):
             table = g.tables.get(rid)
             start = g.num_cached_block.get(rid, 0)
@@ -287,6 +298,8 @@ class KVCacheManager:
                     node = chain[(i + 1) * per - 1]
                     if self.pool.cache_block(table[i], (node, gi)):
                         self.tree.ref(node)
+                        if disk is not None:
+                            disk.store(request, i, gi, table[i])
             g.num_cached_block[rid] = stop
         saved = self.pending.get(rid)
         if saved is not None and num_computed_tokens >= saved.position:
@@ -298,6 +311,56 @@ class KVCacheManager:
             elif num_computed_tokens != saved.position:
                 self.checkpoints.release(saved.checkpoint)
 
+    def fetch_from_disk(self, request: Request, hit: PrefixHit) -> bool:
+        """True while the request waits for its prefix's blocks from the disk tier: they start to be read now
+        when they continue past `hit` (once in the request's life, and no more blocks than the host tier
+        holds, so a fetch never evicts its own blocks). The scheduler passes it over meanwhile."""
+        disk = self.disk
+        if disk is None or request.skip_reading_prefix_cache:
+            return False
+        rid = request.request_id
+        if disk.reading(rid):
+            return True
+        if rid in disk.fetched:
+            return False
+        assert self.host is not None  # a disk tier comes with a host tier
+        first, last = hit.num_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
+        self._block_tokens(request, last)
+        count = min(disk.on_disk(request, first, last), self.host.num_slots // len(self.groups))
+        if count <= 0:
+            return False
+        disk.read(request, first, count)
+        return True
+
+    def poll_disk(self) -> None:
+        """Blocks the disk tier has read and checked become host-tier entries (their pages go to the runner);
+        their requests stop waiting."""
+        if self.disk is None:
+            return
+        by_request: dict[str, list[DiskRead]] = {}
+        for read in self.disk.finished():
+            if read.pages is not None:
+                by_request.setdefault(read.request.request_id, []).append(read)
+        assert self.host is not None  # a disk tier comes with a host tier
+        for reads in by_request.values():
+            request = reads[0].request
+            keys = self._block_tokens(request, 1 + max(r.index for r in reads))
+            nodes, parent = [], ROOT
+            for tokens in keys:  # the prefix's nodes, made where missing, each with a reference for us
+                parent = self.tree.extend(parent, tokens)
+                nodes.append(parent)
+            for read in reads:
+                key = (nodes[read.index], read.group)
+                if self.pool.get_cached_block(key) is not None or key in self.host:
+                    continue
+                slot = self.host.fill(key)
+                if slot is not None and read.pages is not None:
+                    self.tree.ref(key[0])  # the entry's
+                    self.disk.fills.append((slot, read.pages))
+                    self.disk.num_loaded += 1
+            for node in nodes:
+                self.tree.unref(node)
+
     def free(self, request_id: str) -> None:
         """Drop the request's references (its state slot and pending checkpoint too); its registered blocks
         and checkpoints stay cached until evicted."""
@@ -308,6 +371,8 @@ class KVCacheManager:
         if pending is not None:
             self.checkpoints.release(pending.checkpoint)
         self.restores.pop(request_id, None)
+        if self.disk is not None:
+            self.disk.forget(request_id)
         for g in self.groups:
             self.pool.release([b for b in g.tables.pop(request_id, []) if b != NULL_BLOCK])
             g.num_cached_block.pop(request_id, None)
@@ -315,7 +380,8 @@ class KVCacheManager:
             self.tree.unref(node)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block and checkpoint; refused (False) while any block is in use."""
+        """Forget every cached block and checkpoint, the disk tier's entries too; refused (False) while any block
+        is in use."""
         if any(self.pool.ref_counts):
             return False
         self.checkpoints.clear()
@@ -324,4 +390,6 @@ class KVCacheManager:
         self.host = host
         if host is not None:
             host.clear()
+        if self.disk is not None:
+            self.disk.clear()
         return True

@@ -32,3 +32,11 @@ class HostKVCache:
         blocks = torch.tensor([b for _, b in copies], dtype=torch.long)
         for t, h in zip(self.pool, self.host):
             t[blocks.to(t.device)] = h[slots].to(t.device)
+
+    @torch.no_grad()
+    def fill(self, fills: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """(host slot, pages) read from the disk tier: one block's page of every tensor, checked against the
+        pool's dtypes and shapes when it was read (ladle.kv_cache.disk_format)."""
+        for slot, pages in fills:
+            for h, page in zip(self.host, pages, strict=True):
+                h[slot].copy_(page)

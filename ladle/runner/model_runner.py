@@ -21,6 +21,7 @@ from ladle.outputs import Logprob
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
+from ladle.runner.disk_kv_writer import DiskKVWriter
 from ladle.runner.host_kv_cache import HostKVCache
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.mixed_graphs import MixedGraphs
@@ -75,7 +76,7 @@ class ModelRunner:
         groups: tuple[AttentionGroup, ...] | None = None, state_groups: tuple[StateGroup, ...] = (),
         max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
         first_checkpoint: int = 0, draft_rows: tuple[int, int] = (0, 0), mtp_drafts: int = 0,
-        host_kv: HostKVCache | None = None,
+        host_kv: HostKVCache | None = None, disk_writer: DiskKVWriter | None = None,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
@@ -86,9 +87,11 @@ class ModelRunner:
         checkpoint 0. draft_rows: (the state tensors' first draft row, draft rows per slot): speculative decoding
         on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j.
         mtp_drafts: the model's MTP layer drafts this many tokens after each sampled one (0: it does not run).
-        host_kv: the prefix cache's host tier's tensors (None: no host tier)."""
+        host_kv: the prefix cache's host tier's tensors (None: no host tier); disk_writer: the disk tier's writes
+        below it (None: no disk tier)."""
         self.model = model
         self.host_kv = host_kv
+        self.disk_writer = disk_writer
         self.max_num_seqs = max_num_seqs  # also the rows of a prompt-logprobs slice (ladle.runner.prompt_logprobs)
         self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
                                             first_checkpoint)
@@ -138,9 +141,17 @@ class ModelRunner:
     def apply(self, update: StateUpdate) -> None:
         """Take the engine's news of its requests (ladle.runner.runner_requests); a request resuming from a
         state checkpoint gets its state back before any step runs it; the host tier's copies run first, blocks
-        saved out before loaded in (a block can be both, for an entry evicted and another promoted into it)."""
-        if update.kv_saves or update.kv_loads:
+        saved out before loaded in (a block can be both, for an entry evicted and another promoted into it). The
+        disk tier's come before them: the blocks it stores are copied out before any is overwritten, and the
+        pages it read fill their host slots before a load reads them."""
+        if update.kv_stores or update.kv_unlinks:
+            assert self.disk_writer is not None  # the engine has a disk tier only where the runner was given one
+            self.disk_writer.store(update.kv_stores)
+            self.disk_writer.unlink(update.kv_unlinks)
+        if update.kv_saves or update.kv_loads or update.kv_fills:
             assert self.host_kv is not None  # the engine has a host tier only where the runner was given one
+            if update.kv_fills:
+                self.host_kv.fill(update.kv_fills)
             if update.kv_saves:
                 self.host_kv.save(update.kv_saves)
             if update.kv_loads:
@@ -149,6 +160,12 @@ class ModelRunner:
         for new in update.new_requests:
             if new.restore is not None:
                 self.checkpoints.restore(new.restore)
+
+    def shutdown(self) -> None:
+        """Finish the disk tier's writes (a no-op without one)."""
+        if self.disk_writer is not None:
+            self.disk_writer.close()
+            self.disk_writer = None
 
     def snapshot_states(self, request_ids: list[str]) -> StateSnapshot:
         """Copies of these requests' state slots in every state tensor: (tensor, slots, saved rows)."""

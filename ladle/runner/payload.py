@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ladle.kv_cache.disk_tier import DiskStore
 from ladle.kv_cache.state_checkpoints import CheckpointCopy
 from ladle.outputs import Logprob
 from ladle.sampling_params import SamplingParams
@@ -86,9 +87,16 @@ class StateUpdate:
     # slot, device block) copies in, both before the step's forward.
     kv_saves: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier below it (ladle.kv_cache.disk_tier): registered device blocks to write out (copied before the
+    # forward, and before the host tier's copies), files to delete, and (host slot, pages) read from disk, written
+    # into their slots before the saves.
+    kv_stores: list[DiskStore] = field(default_factory=list)
+    kv_unlinks: list[str] = field(default_factory=list)
+    kv_fills: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.new_requests or self.diffs or self.removed or self.kv_saves or self.kv_loads)
+        return bool(self.new_requests or self.diffs or self.removed or self.kv_saves or self.kv_loads
+                    or self.kv_stores or self.kv_unlinks or self.kv_fills)
 
 
 @dataclass(frozen=True)

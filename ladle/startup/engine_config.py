@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the plan and the layout bring torch and the profiler: readi
     import torch
 
     from ladle.kv_cache.specs import KVCacheLayout
+    from ladle.startup.kv_disk import KVDiskConfig
     from ladle.startup.planner import MemoryPlan
 
 
@@ -32,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     num_host_kv_blocks: int = 0  # the prefix cache's host tier, in blocks (ladle.kv_cache.host_tier); 0: none
+    kv_disk: KVDiskConfig | None = None  # the disk tier below it (ladle.startup.kv_disk); None: none
     enable_prefix_caching: bool = True
     # Models with per-request state (or compressed KV groups): the state checkpoints prefix hits resume from.
     num_state_checkpoints: int = 0

@@ -24,6 +24,7 @@ from ladle.models.loading.loader import load_config, load_model
 from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer
+from ladle.runner.disk_kv_writer import DiskKVWriter
 from ladle.runner.host_kv_cache import HostKVCache
 from ladle.runner.kv_allocation import allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
@@ -33,6 +34,7 @@ from ladle.startup.checkpoints import resolve_checkpoints, resolve_interval
 from ladle.startup.cpu_isa import resolve_cpu_isa
 from ladle.startup.engine_config import EngineConfig
 from ladle.startup.expert_tiers import calibrate_tiers, tiered_bytes, tiered_line, tiering_resolver
+from ladle.startup.kv_disk import resolve_kv_disk
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup.partial_prefill import resolve_partial_prefills
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
@@ -153,15 +155,18 @@ def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
-    host_kv = None
+    host_kv, disk_writer = None, None
     if cfg.num_host_kv_blocks:
         paged = {id(t): t for g in layout.groups for layer in g.layers for t in caches[layer]}
         host_kv = HostKVCache(list(paged.values()), cfg.num_host_kv_blocks)
+        if cfg.kv_disk is not None:  # its copies wait for the disk in host memory, at most the host tier's size
+            disk_writer = DiskKVWriter(list(paged.values()), cfg.kv_disk.directory,
+                                       cfg.num_host_kv_blocks * layout.block_bytes)
     return ModelRunner(model, caches, cfg.block_size, cfg.device,
                        tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
                        draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative),
-                       host_kv=host_kv)
+                       host_kv=host_kv, disk_writer=disk_writer)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -299,12 +304,14 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
                                 num_checkpoints)
     prov.put("tensor_parallel_size", tp.world_size)
     host_blocks = _host_tier_blocks(args, prov, layout, prefix_caching)
+    checkpointing = bool(layout.state_groups) or any(c != (1, 1) for c in layout.compressions)
+    kv_disk = resolve_kv_disk(args, prov, layout, dtype, value, host_blocks, checkpointing, tp.world_size)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
-        num_host_kv_blocks=host_blocks,
+        num_host_kv_blocks=host_blocks, kv_disk=kv_disk,
         num_state_checkpoints=num_checkpoints, state_checkpoint_interval=interval,
         max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,

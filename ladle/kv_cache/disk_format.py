@@ -1,0 +1,136 @@
+"""The prefix cache's disk tier, one file per cached block: what a file holds, how it is named, and the checks a
+read makes before its bytes may serve a hit.
+
+Names. A block's file is named by a SHA-256 chain over token ids: digest(k) = SHA-256(digest(k - 1) || the k-th
+block's token ids as little-endian int32), from a root bound to the model's identity, then the KV cache group.
+The in-memory prefix tree compares token ids on every hit because Python's hash collides; on disk, where keys
+must outlive the process, the key is this chain (as vLLM's prefix_caching_hash_algo=sha256 and LMCache's keys),
+and the file still carries its block's own token ids and its parent's digest, compared on every read.
+
+Contents. Magic, a JSON header (the model identity, group, digest, parent digest, the block's token ids, each
+tensor's dtype and shape, the payload's SHA-256) and the payload: the block's page of every tensor of the paged
+pool (ladle.runner.host_kv_cache), raw bytes in pool order. A file is written whole under a temporary name and
+renamed into place (atomic on POSIX), so a process killed mid-write leaves a temporary file, never a torn entry;
+a file torn anyway (a power cut, a full disk, a stray write) fails its checksum and is a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"LADLEKV1"
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+_LEN = struct.Struct("<I")
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                torch.float8_e5m2, torch.uint8, torch.int8)}
+
+TensorSpec = tuple[str, tuple[int, ...]]  # (dtype name, shape of one block's page)
+
+
+def root_digest(identity: str) -> bytes:
+    return hashlib.sha256(b"ladle-kv-root\0" + identity.encode()).digest()
+
+
+def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + array("i", tokens).tobytes()).digest()
+
+
+def entry_name(digest: bytes, group: int) -> str:
+    return f"{digest.hex()}.{group}{SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[bytes, int] | None:
+    """(digest, group) of an entry's file name; None for anything else in the directory."""
+    if not name.endswith(SUFFIX):
+        return None
+    stem, _, group = name[: -len(SUFFIX)].partition(".")
+    try:
+        digest = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    if len(digest) != 32 or not group.isdigit():
+        return None
+    return digest, int(group)
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What names an entry and what its reader compares."""
+
+    identity: str
+    group: int
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+class EntryMismatch(Exception):
+    """A file that must not serve the hit it was read for: the reason, for the miss counters and the log."""
+
+
+def tensor_spec(t: torch.Tensor) -> TensorSpec:
+    return str(t.dtype), tuple(t.shape)
+
+
+def write_entry(path: str, meta: EntryMeta, pages: Sequence[torch.Tensor]) -> int:
+    """Write the entry atomically; returns the file's bytes. pages: CPU tensors, one block of each pool tensor."""
+    payload = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in pages)
+    header = json.dumps({
+        "identity": meta.identity, "group": meta.group, "digest": meta.digest.hex(), "parent": meta.parent.hex(),
+        "tokens": list(meta.tokens), "tensors": [[d, list(s)] for d, s in map(tensor_spec, pages)],
+        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+    }).encode()
+    tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + _LEN.pack(len(header)) + header + payload)
+    os.replace(tmp, path)
+    return len(MAGIC) + _LEN.size + len(header) + len(payload)
+
+
+def read_entry(path: str, expect: EntryMeta, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """The entry's pages, after every check: magic, header, identity, group, digest, parent digest, the block's
+    token ids, the tensors' dtypes and shapes (the pool's, `specs`), and the payload's checksum. Raises
+    EntryMismatch (or OSError for a file that is gone) otherwise."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
+        raise EntryMismatch("not a ladle KV entry (bad magic)")
+    (n,) = _LEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    try:
+        header = json.loads(data[start : start + n])
+        got = (header["identity"], header["group"], header["digest"], header["parent"], tuple(header["tokens"]))
+        tensors = [(str(d), tuple(s)) for d, s in header["tensors"]]
+        checksum = header["payload_sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise EntryMismatch(f"unreadable header ({type(e).__name__})") from None
+    want = (expect.identity, expect.group, expect.digest.hex(), expect.parent.hex(), tuple(expect.tokens))
+    for what, a, b in zip(("model identity", "group", "digest", "parent digest", "token ids"), got, want):
+        if a != b:
+            raise EntryMismatch(f"{what} differs (stale or foreign entry)")
+    if tensors != [(d, tuple(s)) for d, s in specs]:
+        raise EntryMismatch("tensor dtypes or shapes differ from the pool's")
+    payload = data[start + n :]
+    if hashlib.sha256(payload).hexdigest() != checksum:
+        raise EntryMismatch("payload checksum differs (torn or truncated entry)")
+    pages, offset = [], 0
+    buffer = bytearray(payload)
+    for dtype_name, shape in tensors:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise EntryMismatch(f"unknown dtype {dtype_name}")
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        pages.append(torch.frombuffer(buffer, dtype=torch.uint8, count=size, offset=offset)
+                     .view(dtype).reshape(shape))
+        offset += size
+    if offset != len(payload):
+        raise EntryMismatch("payload length differs from its tensors'")
+    return pages

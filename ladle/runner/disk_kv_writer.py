@@ -1,0 +1,79 @@
+"""The disk tier's writes (ladle.kv_cache.disk_tier), done off the step loop: each step's StateUpdate names the
+registered device blocks to store and the files to delete; the runner copies the blocks' pages out before the
+forward (after which a block may belong to another request) and a writer thread writes and deletes, in the
+order asked, so a deletion never races the write it follows.
+
+A disk slower than the engine must not grow host memory without bound: past max_backlog_bytes of copied pages,
+a store is skipped (its index entry then fails its read: a counted miss, never a wrong token)."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import torch
+
+from ladle.kv_cache.disk_format import write_entry
+from ladle.kv_cache.disk_tier import DiskStore
+
+logger = logging.getLogger("ladle.kv_cache")
+
+
+class DiskKVWriter:
+    def __init__(self, pool_tensors: list[torch.Tensor], directory: str, max_backlog_bytes: int) -> None:
+        """pool_tensors: the paged pool's distinct tensors, [num_blocks, ...] each (ladle.runner.host_kv_cache)."""
+        self.pool = pool_tensors
+        self.directory = directory
+        self.max_backlog_bytes = max_backlog_bytes
+        self.page_bytes = sum(t[0].numel() * t.element_size() for t in pool_tensors)
+        self._queue: queue.Queue[tuple[str, DiskStore | None, list[torch.Tensor]] | None] = queue.Queue()
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self.num_skipped = self.num_failed = 0
+        self._thread = threading.Thread(target=self._run, name="ladle-kv-disk-write", daemon=True)
+        self._thread.start()
+
+    @torch.no_grad()
+    def store(self, stores: list[DiskStore]) -> None:
+        for s in stores:
+            with self._lock:
+                if self._backlog + self.page_bytes > self.max_backlog_bytes:
+                    self.num_skipped += 1
+                    continue
+                self._backlog += self.page_bytes
+            pages = [t[s.block].to("cpu", copy=True) for t in self.pool]
+            self._queue.put((os.path.join(self.directory, s.name), s, pages))
+
+    def unlink(self, names: list[str]) -> None:
+        for name in names:
+            self._queue.put((os.path.join(self.directory, name), None, []))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            path, store, pages = item
+            try:
+                if store is None:
+                    os.unlink(path)
+                else:
+                    write_entry(path, store.meta, pages)
+            except FileNotFoundError:
+                pass  # deleted already (by reset, or an entry never written)
+            except OSError as e:  # a full or read-only disk: the entry is a miss later, never a crash now
+                self.num_failed += 1
+                logger.warning("KV disk tier: could not write %s: %s", path, e)
+            finally:
+                if store is not None:
+                    with self._lock:
+                        self._backlog -= self.page_bytes
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every write and deletion asked for so far is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the writes asked for, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
