@@ -170,3 +170,32 @@ def test_tensor_parallel_ranks_keep_their_own_shards_in_the_host_tier(tiny_qwen3
         assert tier is not None and tier.num_promoted > 0
     assert got == want
     assert all(computed <= new + 16 for new, computed in counts)
+
+
+def test_without_kv_offloading_size_cpu_derives_no_host_tier_and_says_why(tiny_qwen3_dir):
+    llm = LLM(tiny_qwen3_dir, num_kv_blocks=24)
+    setting = llm.config.settings["kv_offloading_size"]
+    assert (setting.value, setting.source) == ("off", "derived") and "host memory already" in setting.reason
+    assert llm.engine.core.kv.host is None
+    assert "kv_offloading_size" in llm.config.report()  # `ladle plan` prints this report
+
+
+def test_on_cuda_the_host_tier_is_derived_from_the_pool_and_free_host_memory():
+    """Twice the device pool, within a quarter of the host's free memory, with its reason."""
+    import torch
+
+    from ladle.config.engine_args import EngineArgs
+    from ladle.config.provenance import Provenance
+    from ladle.kv_cache.specs import KVCacheLayout, paged_group
+    from ladle.startup.memory import free_memory_bytes
+    from ladle.startup.setup import _host_tier_blocks
+
+    layout = KVCacheLayout((paged_group(),), 16)
+    prov = Provenance(frozenset())
+    blocks = _host_tier_blocks(EngineArgs(model="m"), prov, layout, True, torch.device("cuda"), 100)
+    assert blocks == min(200, free_memory_bytes(torch.device("cpu")) // 4 // layout.block_bytes)
+    setting = prov.settings["kv_offloading_size"]
+    assert setting.source == "derived" and "2x the device pool" in setting.reason and f"({blocks} blocks)" in setting.value
+    huge = _host_tier_blocks(EngineArgs(model="m"), Provenance(frozenset()), layout, True, torch.device("cuda"), 10**15)
+    assert huge * layout.block_bytes <= free_memory_bytes(torch.device("cpu")) // 4 + layout.block_bytes
+    assert _host_tier_blocks(EngineArgs(model="m"), Provenance(frozenset()), layout, False, torch.device("cuda"), 100) == 0

@@ -78,8 +78,9 @@ def resolve_kv_disk(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, d
         prov.put("kv_disk_cache_dir", "off")
         return None
     if not host_blocks:
-        raise ValueError("kv_disk_cache_dir: the disk tier reads entries back through the host tier; give "
-                         "kv_offloading_size too (e.g. 1GiB)")
+        why = prov.settings["kv_offloading_size"].reason
+        raise ValueError("kv_disk_cache_dir: the disk tier reads entries back through the host tier, which is off "
+                         f"here{f' ({why})' if why else ''}; give kv_offloading_size too (e.g. 1GiB)")
     if checkpointing:
         raise ValueError("kv_disk_cache_dir: this model's prefix hits need state checkpoints (state layers or "
                          "compressed KV groups), which the disk tier does not keep yet; drop kv_disk_cache_dir")

@@ -122,11 +122,34 @@ def _tensor_parallel_limits(prov: Provenance, args: EngineArgs, graph_batch: int
     return 0, False
 
 
-def _host_tier_blocks(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix_caching: bool) -> int:
-    """kv_offloading_size in blocks of the layout (0 without it); refused where it could hold nothing."""
+HOST_TIER_POOL_MULTIPLE = 2  # a derived host tier holds twice the device pool (SGLang HiCache's default ratio)
+HOST_TIER_SHARE_OF_FREE = 0.25  # and never more than this share of the host's free memory
+
+
+def _host_tier_blocks(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix_caching: bool,
+                      device: torch.device, num_kv_blocks: int) -> int:
+    """kv_offloading_size in blocks of the layout; refused where it could hold nothing. Without it: on CUDA, twice
+    the device pool within a quarter of the free host memory (a hit copied over PCIe beats recomputing its
+    history); on CPU none, since there the pool is host memory already and a larger pool serves the same hits
+    without the copies."""
     if args.kv_offloading_size is None:
-        prov.put("kv_offloading_size", "off")
-        return 0
+        if not prefix_caching:
+            prov.put("kv_offloading_size", "off", "prefix caching is off: the host tier keeps only cached blocks")
+            return 0
+        if device.type != "cuda":
+            prov.put("kv_offloading_size", "off", "on CPU the KV pool is host memory already: a larger pool "
+                     "(kv_cache_memory_bytes) serves the same hits without copies")
+            return 0
+        free = free_memory_bytes(torch.device("cpu"))
+        blocks = min(HOST_TIER_POOL_MULTIPLE * num_kv_blocks, int(free * HOST_TIER_SHARE_OF_FREE) // layout.block_bytes)
+        if blocks < 1:
+            prov.put("kv_offloading_size", "off", f"a quarter of the {format_bytes(free)} free host memory holds "
+                     "no block")
+            return 0
+        prov.put("kv_offloading_size", f"{format_bytes(blocks * layout.block_bytes)} ({blocks} blocks)",
+                 f"{HOST_TIER_POOL_MULTIPLE}x the device pool, within a quarter of the {format_bytes(free)} free "
+                 "host memory")
+        return blocks
     size = parse_bytes(args.kv_offloading_size, "kv_offloading_size")
     if not prefix_caching:
         raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks, but enable_prefix_caching is "
@@ -303,7 +326,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     interval = resolve_interval(args, prov, min(plan.max_prefill_length, plan.max_num_batched_tokens),
                                 num_checkpoints)
     prov.put("tensor_parallel_size", tp.world_size)
-    host_blocks = _host_tier_blocks(args, prov, layout, prefix_caching)
+    host_blocks = _host_tier_blocks(args, prov, layout, prefix_caching, device, plan.num_kv_blocks)
     checkpointing = bool(layout.state_groups) or any(c != (1, 1) for c in layout.compressions)
     kv_disk = resolve_kv_disk(args, prov, layout, dtype, value, host_blocks, checkpointing, tp.world_size)
     config = EngineConfig(
