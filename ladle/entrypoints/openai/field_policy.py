@@ -5,7 +5,8 @@ routing hints, client metadata, things a stateless server already does. Real cli
 request (Codex CLI's prompt_cache_key and client_metadata, Claude Code's cache_control and metadata.user_id),
 so a 400 on one locks the client out; each is counted on /metrics (ladle:no_op_fields_total, by API and field)
 and listed in the README's table, which a test holds equal to NO_OPS. A field outside the protocol models is
-still a 400, since they forbid extra keys.
+still a 400, since they forbid extra keys. The session hints (prompt_cache_key, metadata.user_id) are no-ops to the
+engine; only `ladle serve-replicas`' router reads them, to choose a replica (session_routing.py).
 
 Paths are dotted field names as the request spells them, `[]` standing for every element of a list; a value
 entry (`path=value`) is a no-op only when the field holds that value (the code that serves the field counts it),
@@ -40,8 +41,8 @@ BILLING_HEADER = f"system[].text={BILLING_PREFIX} ..."
 KEEP_ALL_THINKING = "context_management.edits[].keep=all"
 MESSAGES_EFFORT = "output_config.effort=*"  # counted by serving_messages
 BETA = "anthropic-beta"
-_CACHE_KEY = ("a prompt-caching routing hint: ladle caches every prefix on its own, whatever the key, and a hit "
-              "never changes the output")
+_CACHE_KEY = ("a prompt-caching routing hint: the engine caches every prefix on its own, whatever the key, and a hit "
+              "never changes the output; `ladle serve-replicas` routes a key's requests to one replica")
 _TIER = "one tier here: every value is served alike"
 _VERBOSITY = ("a length hint OpenAI's GPT-5 models were trained to follow; the model here has no such control, so it "
               "answers as it would without it")
@@ -62,7 +63,8 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "user", _USER),
     NoOp("completions", "user", _USER),
     NoOp("responses", "user", _USER),
-    NoOp("messages", "metadata", "client metadata (Claude Code's user_id); nothing here reads it"),
+    NoOp("messages", "metadata", "client metadata (Claude Code's user_id); the engine reads none of it, and "
+         "`ladle serve-replicas` routes a user_id's requests to one replica"),
     NoOp("messages", "service_tier", "one tier here: auto and standard_only mean the same"),
     NoOp("messages", "cache_control", _CACHE),
     NoOp("messages", "tools[].cache_control", _CACHE),
