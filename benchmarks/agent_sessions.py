@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.demo import build_checkpoint  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MODELS  # noqa: E402
+
 MODEL = dict(arch="qwen3", vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, intermediate_size=512)
 BLOCK = 16
@@ -52,24 +55,41 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def replay(model: str, args: argparse.Namespace, tier: str) -> list[dict[str, Any]]:
-    """Every request of the replay, in the order they finished; tier: kv_offloading_size, or "off"."""
-    rng = random.Random(args.seed)
-    vocab = MODEL["vocab_size"]
-    prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
-    # A session's last turn, less the shared prefix.
-    own = args.first + (args.turns - 1) * (args.reply + args.tool) + args.reply
+def engine_for(model: str, args: argparse.Namespace, tier: str, disk: str | None) -> LLM:
+    """An engine with tier's host tier ("off": none; "SIZE+disk": with a disk tier in `disk`)."""
+    # A session's last turn (the restart's extra turn included), less the shared prefix.
+    own = args.first + args.turns * (args.reply + args.tool) + args.reply
     final = args.prefix + own
     # The shared prefix once, and a quarter of the sessions' own tokens at their last turn (plus a block or two
     # per request in flight for its partial tail).
     blocks = -(-args.prefix // BLOCK) + max(1, args.sessions // 4) * -(-own // BLOCK) + 2 * args.concurrency
-    llm = LLM(model, max_model_len=final + BLOCK, num_kv_blocks=blocks, max_num_seqs=args.concurrency,
-              kv_offloading_size=None if tier == "off" else tier)
+    host = None if tier == "off" else tier.removesuffix("+disk")
+    return LLM(model, max_model_len=final + BLOCK, num_kv_blocks=blocks, max_num_seqs=args.concurrency,
+               kv_offloading_size=host, kv_disk_cache_dir=disk if tier.endswith("+disk") else None)
+
+
+def replay(llm: LLM, args: argparse.Namespace, turns: range) -> list[dict[str, Any]]:
+    """Every request of the replay's `turns`, in the order they finished (the sessions' histories are drawn from
+    args.seed, so a later range continues an earlier replay's sessions, on any engine)."""
+    rng = random.Random(args.seed)
+    vocab = args.vocab
+    prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
     history = {s: prefix + [rng.randrange(vocab) for _ in range(args.first)] for s in range(args.sessions)}
     sent: dict[int, list[int]] = {}  # each session's previous prompt + reply
-    queue = [(s, t) for t in range(args.turns) for s in range(args.sessions)]  # sessions take turns in order
+    # Turns before the range: the histories only, as the replies of a greedy run are the same on every engine.
+    replies = getattr(args, "replies", {})
+
+    def tool(session: int, turn: int) -> list[int]:  # drawn per turn: the same whatever order turns finish in
+        draw = random.Random(f"{args.seed}:{session}:{turn}")
+        return [draw.randrange(vocab) for _ in range(args.tool)]
+
+    for t in range(turns.start):
+        for s in range(args.sessions):
+            sent[s] = history[s] + replies[(s, t)]
+            history[s] = sent[s] + tool(s, t)
+    queue = [(s, t) for t in turns for s in range(args.sessions)]  # sessions take turns in order
     flight: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
 
@@ -96,8 +116,9 @@ def replay(model: str, args: argparse.Namespace, tier: str) -> list[dict[str, An
                 del flight[out.request_id]
                 session = f.pop("session")
                 reply = list(out.outputs[0].token_ids)
+                replies[(session, f["turn"])] = reply
                 sent[session] = history[session] + reply
-                history[session] = sent[session] + [rng.randrange(vocab) for _ in range(args.tool)]
+                history[session] = sent[session] + tool(session, f["turn"])
                 rows.append(dict(session=session, reply=reply, **{k: v for k, v in f.items() if k != "start"}))
         submit()
     return rows
@@ -131,24 +152,40 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=16, help="tokens a turn decodes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-offloading-size", nargs="+", default=["off"],
-                    help="host tiers to compare: 'off' or a size (e.g. 64MiB), each in its own engine")
+                    help="host tiers to compare: 'off', a size (e.g. 64MiB), or a size with a disk tier (64MiB+disk), "
+                         "each in its own engine")
+    ap.add_argument("--model", default="tiny", choices=["tiny", *MODELS],
+                    help="tiny (4 layers x 256, the default) or a benchmarks/common.py shape, e.g. qwen3-768")
     ap.add_argument("--out", help="write the rows and the summary here (JSON)")
     args = ap.parse_args()
+    shape = dict(MODEL) if args.model == "tiny" else dict(arch="qwen3", **MODELS[args.model])
+    args.vocab = shape["vocab_size"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_checkpoint(tmp, **MODEL)
+        model = build_checkpoint(Path(tmp) / "model", **shape)
         for tier in args.kv_offloading_size:
-            rows = replay(model, args, tier)
+            args.replies = {}
+            disk = str(Path(tmp) / f"kv-{len(runs)}")
+            with engine_for(model, args, tier, disk) as llm:
+                rows = replay(llm, args, range(args.turns))
             runs[tier] = dict(summary=summary(rows), rows=rows)
-            print(tier, json.dumps(runs[tier]["summary"]), flush=True)
-    tokens = {tier: [r.get("reply") for r in run["rows"]] for tier, run in runs.items()}
+            # A restart (a new engine, as after kill -9 or an upgrade): every session's next turn.
+            with engine_for(model, args, tier, disk) as llm:
+                after = replay(llm, args, range(args.turns, args.turns + 1))
+            runs[tier]["after_restart"] = dict(
+                computed_tokens_median=statistics.median(r["computed"] for r in after),
+                prompt_tokens_median=statistics.median(r["prompt"] for r in after),
+                ttft_p50_ms=round(1e3 * percentile([r["ttft_s"] for r in after], 0.5), 1), rows=after)
+            print(tier, json.dumps(runs[tier]["summary"]), "after restart:",
+                  json.dumps({k: v for k, v in runs[tier]["after_restart"].items() if k != "rows"}), flush=True)
+    tokens = {tier: [r.get("reply") for r in run["rows"] + run["after_restart"]["rows"]] for tier, run in runs.items()}
     result = dict(
         command="python benchmarks/agent_sessions.py " + " ".join(sys.argv[1:]),
         cpu=next((line.split(":", 1)[1].strip() for line in subprocess.run(
             ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")),
             platform.processor()),
-        workload={k: getattr(args, k) for k in ("sessions", "turns", "concurrency", "prefix", "first", "tool",
-                                                 "reply")},
+        workload={k: getattr(args, k) for k in ("model", "sessions", "turns", "concurrency", "prefix", "first",
+                                                 "tool", "reply")},
         same_tokens=len({json.dumps(t) for t in tokens.values()}) == 1, runs=runs)
     print("replies equal across tiers:", result["same_tokens"])
     if args.out:
