@@ -59,10 +59,10 @@ def check_config(config: Any) -> None:
         raise ValueError(f"indexer_budget {config.indexer_budget} is not a multiple of indexer_compress_ratio "
                          f"{config.indexer_compress_ratio}")
     rope = dict(config.rope_parameters or {})
-    if set(rope) - _ROPE_KEYS:
-        raise ValueError(f"rope_parameters {sorted(set(rope) - _ROPE_KEYS)} are not supported")
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters rope_type {rope['rope_type']!r} is not supported; only 'default'")
+    if set(rope) - _ROPE_KEYS:
+        raise ValueError(f"rope_parameters {sorted(set(rope) - _ROPE_KEYS)} are not supported")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
     if config.hc_count < 2:

@@ -61,12 +61,14 @@ class QsaIndexer(nn.Module):
         seen = block[None, :] < complete[:, None]
         picked = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
         picked[:, :n] = seen
+        # Every query against every complete block at once (HF scores one query's blocks at a time: the same
+        # products).
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)).transpose(-1, -2))
+        scores = scores.sum(-1) / math.sqrt(self.dim)
         for j in (complete > self.top_blocks).nonzero().flatten().tolist():
-            # One query at a time, as HF scores it: relu zeroes many scores, and torch.topk breaks those ties by
-            # the vector it is given, so each query ranks exactly its own complete blocks.
-            m = int(complete[j])
-            scores = torch.matmul(q[j].float(), keys[:m].float().transpose(-1, -2)).transpose(-1, -2)
-            top = (torch.relu(scores).sum(-1) / math.sqrt(self.dim)).topk(self.top_blocks, dim=0).indices
+            # relu zeroes many scores, and torch.topk breaks such ties by the vector it is given: each query
+            # ranks exactly its own complete blocks, as HF does.
+            top = scores[j, : int(complete[j])].topk(self.top_blocks, dim=0).indices
             picked[j, :n] = False
             picked[j, top] = True
         in_block = torch.clamp(token // r, max=n).expand(q.shape[0], -1)
@@ -124,8 +126,9 @@ def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """q [L, H, D], k/v [C, kvh, D], mask [L, C] -> [L, H, D]; query head h reads kv head h // (H / kvh)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("lhd,chd->hlc", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hlc,chd->lhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    length, heads, dim = q.shape
+    kvh = k.shape[1]
+    grouped = q.float().view(length, kvh, heads // kvh, dim)
+    scores = torch.einsum("lkgd,ckd->kglc", grouped, k.float()) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("kglc,ckd->lkgd", probs, v.float()).reshape(length, heads, dim).to(q.dtype)

@@ -1,0 +1,170 @@
+"""Qwen4-Exp (Gated DeltaNet + QSA indexed attention, MoE, hyper-connections, PLE) against HF transformers, token
+for token in fp32 on CPU: every step budget and chunk cap (the QSA selection over blocks completed across chunks,
+PLE's n-gram context and short-conv inputs carried in the state slot), batches, preemption, prefix-cache hits,
+the image-text layout, and config fields refused by name."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from hf_oracle import assert_greedy_under_preemption, hf_greedy, ladle_tokens
+from ladle import LLM, SamplingParams
+from ladle.demo import build_tokenizer
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+EOS = 2
+_BASE = dict(vocab_size=512, hidden_size=64, max_position_embeddings=4096, eos_token_id=EOS, num_experts=4,
+             moe_intermediate_size=32, shared_expert_intermediate_size=48, ngram_vocab_size_base=200,
+             make_ngram_vocab_size_divisible_by=8, hc_lowrank=16, indexer_kv_heads=1)
+# Two layer mixes: QSA blocks of 4 with 2 kept, or blocks of 3 with 2 kept; PLE on some linear layers (n-grams up
+# to 3, or bigrams only); GQA and MQA; 2 or 3 hyper-connection streams; silu or sigmoid output gates.
+MIXES = {
+    "gqa": dict(layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts_per_tok=2,
+                hc_count=2, ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
+                split_ngram_parts=2, indexer_n_heads=2, indexer_head_dim=16, indexer_budget=8,
+                indexer_compress_ratio=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}),
+    "mqa": dict(layer_types=["indexed_attention", "linear_attention", "linear_attention", "indexed_attention",
+                             "linear_attention"],
+                num_attention_heads=3, num_key_value_heads=1, head_dim=20, linear_num_key_heads=3,
+                linear_num_value_heads=3, linear_key_head_dim=12, linear_value_head_dim=20, linear_conv_kernel_dim=3,
+                num_experts_per_tok=1, hc_count=3, ple_layer_ids=[3], ple_embed_dim=24, ngram_size=2,
+                heads_per_ngram=3, ple_conv_kernel_size=3, split_ngram_parts=1, indexer_n_heads=3,
+                indexer_head_dim=20, indexer_budget=6, indexer_compress_ratio=3, output_gate_type="sigmoid",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.8}),
+}
+CONFIGS = [(256, None), (64, 5), (48, 19), (7, None)]
+
+
+def _scale(model) -> None:
+    """HF's init is nearly uniform; larger weights give distinct, decisive tokens."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" in name else 0.5 if ("A_log" in name or "dt_bias" in name) else 0.15)
+
+
+def _build(path, seed: int, **mix) -> object:
+    import transformers
+
+    config = transformers.Qwen4ExpTextConfig(num_hidden_layers=len(mix["layer_types"]), **(_BASE | mix))
+    config.architectures = ["Qwen4ExpForCausalLM"]
+    torch.manual_seed(seed)
+    hf = transformers.Qwen4ExpForCausalLM(config).eval()
+    _scale(hf)
+    hf.save_pretrained(path)
+    build_tokenizer(path, vocab_size=512)
+    return hf
+
+
+def _prompts(lens: list[int], seed: int) -> list[list[int]]:
+    """Random prompts with an EOS inside the longer ones (PLE's n-gram shifts stop at it)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+    for p in prompts:
+        for j in range(10, len(p), 37):
+            p[j] = EOS
+    return prompts
+
+
+@pytest.fixture(scope="module", params=list(MIXES))
+def case(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"qwen4_exp_{request.param}")
+    hf = _build(path, 7, **MIXES[request.param])
+    # Longer than a few blocks and than the budget: the indexer drops blocks.
+    prompts = _prompts([1, 5, 19, 45, 100], 3)
+    return str(path), hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("budget,chunk", CONFIGS)
+def test_greedy_equals_hf_for_every_budget_and_chunk(case, budget, chunk):
+    path, _, prompts, want = case
+    kwargs = {"max_num_batched_tokens": budget} | ({"max_prefill_length": chunk} if chunk else {})
+    llm = LLM(path, num_kv_blocks=128, **kwargs)
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    assert llm.stats.max_step_tokens <= budget
+    # A second pass: the prefix cache serves the prompts' blocks and state checkpoints; same tokens.
+    assert llm.engine.core.config.settings["enable_prefix_caching"].value is True
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == 128 and not kv.state_slots
+
+
+def test_a_shared_prefix_is_served_from_the_cache_with_hf_tokens(case):
+    path, hf, prompts, _ = case
+    base = prompts[-1]
+    second = [base[:64] + [5, 6, 7, 8, 9], base[:80] + [EOS, 11]]
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in second]
+    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=64, max_prefill_length=19)
+    assert ladle_tokens(llm, [base], GREEDY) == [hf_greedy(hf, base, NEW_TOKENS)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in second], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.num_cached_tokens >= 48 for o in outs)
+
+
+def test_greedy_equals_hf_under_preemption(case):
+    path, hf, _, _ = case
+    prompts = _prompts([40] * 6, 12)
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9)
+
+
+def test_the_cache_layout_pages_the_indexer_keys_and_keeps_ple_state(case):
+    path = case[0]
+    llm = LLM(path, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    layout = llm.engine.core.config.kv_layout
+    mix = MIXES["gqa" if "gqa" in path else "mqa"]
+    types = mix["layer_types"]
+    indexed = [i for i, t in enumerate(types) if t == "indexed_attention"]
+    # the attention layers, then one indexer-key layer per indexed layer, in one paged group
+    assert [g.layers for g in layout.groups] == [(*indexed, *range(len(types), len(types) + len(indexed)))]
+    ple = [i - 1 for i in mix["ple_layer_ids"]]
+    states = {g.spec.kind: g.layers for g in layout.state_groups}
+    assert states["gated deltanet + PLE state"] == tuple(ple)
+    report = llm.engine.core.config.report()
+    assert "gated deltanet + PLE state" in report and "int64" in report
+
+
+def test_an_image_text_checkpoint_serves_its_text_model_and_says_the_vision_tower_is_not_loaded(tmp_path, caplog):
+    import transformers
+    from safetensors.torch import load_file
+
+    text = _BASE | MIXES["gqa"] | dict(num_hidden_layers=4)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    config = transformers.Qwen4ExpConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(5)
+    hf = transformers.Qwen4ExpForConditionalGeneration(config).eval()
+    _scale(hf)
+    hf.save_pretrained(tmp_path)
+    build_tokenizer(tmp_path, vocab_size=512)
+    assert any(n.startswith("model.visual.") for n in load_file(tmp_path / "model.safetensors"))
+    prompts = _prompts([1, 23, 60], 9)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    with caplog.at_level(logging.INFO, logger="ladle"):
+        llm = LLM(str(tmp_path), max_num_batched_tokens=7)
+    assert "the vision tower (model.visual.*) is not loaded" in caplog.text
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"mystery_feature": 1}, "mystery_feature"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+    ({"hidden_act": "gelu", "output_gate_type": "silu"}, "hidden_act"),
+])
+def test_unsupported_config_fields_are_refused_by_name(case, tmp_path, fields, named):
+    import json
+    import shutil
+
+    shutil.copytree(case[0], tmp_path / "m")
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(fields)
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=named):
+        LLM(str(tmp_path / "m"))
