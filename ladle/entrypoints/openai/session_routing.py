@@ -95,7 +95,7 @@ class AffinityPolicy:
     imbalance_rel: float = 2.0
     match_threshold: float = 0.5
     max_sessions: int = 1 << 17
-    max_chunks: int = 1 << 21  # per replica, least recently routed dropped first
+    max_chunks: int = 1 << 18  # per replica (64M characters of prompt), least recently routed dropped first
     seed: int | None = None
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
     chunks: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
