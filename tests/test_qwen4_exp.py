@@ -17,7 +17,7 @@ from ladle.demo import build_tokenizer
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 EOS = 2
-_BASE = dict(vocab_size=512, hidden_size=64, max_position_embeddings=4096, eos_token_id=EOS, num_experts=4,
+_BASE = dict(vocab_size=512, hidden_size=64, max_position_embeddings=512, eos_token_id=EOS, num_experts=4,
              moe_intermediate_size=32, shared_expert_intermediate_size=48, ngram_vocab_size_base=200,
              make_ngram_vocab_size_divisible_by=8, hc_lowrank=16, indexer_kv_heads=1)
 # Two layer mixes: QSA blocks of 4 with 2 kept, or blocks of 3 with 2 kept; PLE on some linear layers (n-grams up
@@ -168,3 +168,64 @@ def test_unsupported_config_fields_are_refused_by_name(case, tmp_path, fields, n
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named):
         LLM(str(tmp_path / "m"))
+
+
+def test_ngram_speculative_decoding_keeps_the_plain_tokens(case):
+    """Drafts of single-token lookups (rarely right with random weights) are rejected, and the state slots (Gated
+    DeltaNet's and PLE's) roll back to the row's first token; the tokens equal the plain run's."""
+    from test_spec_decode import drafting, spec
+
+    path = case[0]
+    rng = random.Random(2)
+    heads = [[rng.randrange(3, 500) for _ in range(12)] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    texts = [h + t for h, t in zip(heads, ladle_tokens(LLM(path, max_num_batched_tokens=64), heads, params))]
+    prompts, want = [t[:52] for t in texts], [t[52:84] for t in texts]
+    long = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = drafting(LLM(path, max_num_batched_tokens=64, max_prefill_length=19,
+                       speculative_config=spec(3, prompt_lookup_min=1)))
+    assert ladle_tokens(llm, prompts, long) == want
+    assert llm.stats.spec_decode_num_draft_tokens > 0
+
+
+def test_ple_keeps_its_state_after_each_draft_for_a_rollback(case):
+    """A row of a token and three drafts: PLE's output, and its state kept after each of the first tokens (the
+    rows a rollback takes back), equal feeding the tokens one at a time."""
+    from ladle.attention.metadata import StateMetadata
+    from ladle.models.qwen4_exp.ple import PleLayer, ple_state_shapes
+
+    config = case[1].config
+    torch.manual_seed(0)
+    layer = PleLayer(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    (conv, ctx), width = ple_state_shapes(config), config.hc_count * config.hidden_size
+
+    def meta(n: int, first: bool, drafts: tuple[int, ...] = ()) -> StateMetadata:
+        cu = torch.tensor([0, n])
+        return StateMetadata(torch.tensor([0]), (0,), cu, cu, (0, n), (not first,),
+                             (drafts,) if drafts else None)
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(6, *conv), torch.zeros(6, *ctx, dtype=torch.long)
+
+    prompt, row = torch.tensor([7, EOS, 9, 11, 13]), torch.tensor([15, EOS, 17, 19])
+    streams = torch.randn(9, width)
+    with torch.no_grad():
+        one, drafted = fresh(), fresh()
+        for state in (one, drafted):
+            layer(streams[:5], prompt, state, meta(5, True))
+        want, kept = [], []
+        for j in range(4):
+            want.append(layer(streams[5 + j : 6 + j], row[j : j + 1], one, meta(1, False)))
+            kept.append((one[0][0].clone(), one[1][0].clone()))
+        got = layer(streams[5:], row, drafted, meta(4, False, (3, 4, 5)))
+    close = dict(rtol=1e-5, atol=1e-6)  # four rows in one matmul against one at a time: rounding apart
+    torch.testing.assert_close(got, torch.cat(want), **close)
+    for j, slot in enumerate((3, 4, 5)):
+        torch.testing.assert_close(drafted[0][slot], kept[j][0], **close)
+        assert torch.equal(drafted[1][slot], kept[j][1])
+    torch.testing.assert_close(drafted[0][0], one[0][0], **close)
+    assert torch.equal(drafted[1][0], one[1][0])
+    assert drafted[1][3].tolist() == [*prompt[-(ctx[0] - 1):].tolist(), 15][-ctx[0]:]

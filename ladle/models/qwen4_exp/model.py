@@ -110,10 +110,6 @@ class Qwen4ExpModel(TextModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
                 meta: tuple[BackendMetadata | StateMetadata, ...]) -> torch.Tensor:
         """-> the final mixer's output [T, hidden] (the head's input; Qwen4-Exp has no final norm after it)."""
-        for m in meta:
-            if isinstance(m, StateMetadata) and m.drafting():
-                raise NotImplementedError("speculative decoding is not supported for Qwen4-Exp yet: its PLE state "
-                                          "keeps no per-draft rows to roll back to")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         streams = x.repeat(1, self.hc_count)

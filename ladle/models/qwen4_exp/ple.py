@@ -6,7 +6,9 @@ to the streams before the layer's mixer.
 
 Per request and layer, the state slot carries across prefill chunks what a chunk needs of the tokens before it:
 the n-gram context (the last ngram_size - 1 token ids, int64) and the convolution's last
-(kernel - 1) x dilation inputs. A first chunk starts from EOS ids and zeros, as HF does.
+(kernel - 1) x dilation inputs. A first chunk starts from EOS ids and zeros, as HF does. With speculative decoding
+both are also kept after each of a row's first tokens (StateMetadata.draft_rows), as Gated DeltaNet keeps its own,
+so a rejected draft rolls the whole slot back.
 """
 from __future__ import annotations
 
@@ -86,6 +88,8 @@ class PleLayer(nn.Module):
             history = torch.cat((prev, input_ids[cu[i]:cu[i + 1]].to(torch.long)))
             parts.append(history.unfold(0, k + 1, 1))
             context[slot] = history[history.shape[0] - k:]
+            for j, row in enumerate(_kept(meta, i)):  # the context after each of its first tokens, for a rollback
+                context[row] = history[j + 1 : j + 1 + k]
         return torch.cat(parts)
 
     def _short_conv(self, x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
@@ -100,4 +104,12 @@ class PleLayer(nn.Module):
             y = F.conv1d(full[None], self.conv1d.weight, groups=c, dilation=self.dilation)[0]
             out[cu[i]:cu[i + 1]] = F.silu(y).t()
             conv_state[slot] = full[:, full.shape[1] - s:]
+            for j, row in enumerate(_kept(meta, i)):
+                conv_state[row] = full[:, j + 1 : j + 1 + s]
         return out
+
+
+def _kept(meta: StateMetadata, i: int) -> tuple[int, ...]:
+    """Speculative decoding: the state rows that keep request i's state after each of its first new tokens (the
+    runner rolls a rejected draft back to one of them); none without drafts."""
+    return () if meta.draft_rows is None else meta.draft_rows[i]
