@@ -253,7 +253,7 @@ def main() -> None:
         r = load(name)
         if r is not None:
             lines += section(r) + notes(name)
-    for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("agent_sessions", None),
+    for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("agent_sessions", None), ("replica_routing", None),
                         ("host_overhead", None),
                         ("server_abuse", None), ("hostile_corpus", None), ("startup", None), ("threads", None), ("dsv4_flash_plan", None),
                         ("cpu_linear", None), ("cpu_decode_attention", None)):
