@@ -105,16 +105,10 @@ def test_a_host_tier_smaller_than_the_sessions_drops_the_oldest_and_stays_exact(
     assert tier is not None and tier.num_slots == 2 and tier.num_dropped > 0
 
 
-def test_qwen3_5_hits_through_the_host_tier_keep_their_tokens(tmp_path):
-    """A model with per-request state: a hit also needs its state checkpoint (device-only for now), and the
-    blocks the host tier gives back must hold what the cold run wrote."""
-    from ladle.demo import build_checkpoint
-
-    path = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                            linear_value_head_dim=16, max_position_embeddings=4096,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
+def test_qwen3_5_hits_through_the_host_tier_keep_their_tokens(q35_dir):
+    """A model with per-request state: a hit also needs its state checkpoint, and the blocks the host tier gives
+    back must hold what the cold run wrote."""
+    path = q35_dir
     want, _ = _sessions(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256), 4, 3, seed=2)
     llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=24, kv_offloading_size="1MiB")
     got, _ = _sessions(llm, 4, 3, seed=2)
@@ -188,14 +182,68 @@ def test_on_cuda_the_host_tier_is_derived_from_the_pool_and_free_host_memory():
     from ladle.config.provenance import Provenance
     from ladle.kv_cache.specs import KVCacheLayout, paged_group
     from ladle.startup.memory import free_memory_bytes
-    from ladle.startup.setup import _host_tier_blocks
+    from ladle.startup.setup import _host_tier
 
     layout = KVCacheLayout((paged_group(),), 16)
     prov = Provenance(frozenset())
-    blocks = _host_tier_blocks(EngineArgs(model="m"), prov, layout, True, torch.device("cuda"), 100)
+    blocks, _ = _host_tier(EngineArgs(model="m"), prov, layout, True, torch.device("cuda"), 100, 0, 64)
     assert blocks == min(200, free_memory_bytes(torch.device("cpu")) // 4 // layout.block_bytes)
     setting = prov.settings["kv_offloading_size"]
     assert setting.source == "derived" and "2x the device pool" in setting.reason and f"({blocks} blocks)" in setting.value
-    huge = _host_tier_blocks(EngineArgs(model="m"), Provenance(frozenset()), layout, True, torch.device("cuda"), 10**15)
+    huge, _ = _host_tier(EngineArgs(model="m"), Provenance(frozenset()), layout, True, torch.device("cuda"), 10**15, 0, 64)
     assert huge * layout.block_bytes <= free_memory_bytes(torch.device("cpu")) // 4 + layout.block_bytes
-    assert _host_tier_blocks(EngineArgs(model="m"), Provenance(frozenset()), layout, False, torch.device("cuda"), 100) == 0
+    assert _host_tier(EngineArgs(model="m"), Provenance(frozenset()), layout, False, torch.device("cuda"), 100, 0, 64) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def dsv4_dir(tmp_path_factory) -> str:
+    from test_deepseek_v4 import MIXES, build
+
+    path = tmp_path_factory.mktemp("dsv4")
+    build(path, 7, **MIXES["small_window"])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def q35_dir(tmp_path_factory) -> str:
+    from ladle.demo import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("q35"), "qwen3_5", vocab_size=512, hidden_size=64,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
+
+
+@pytest.mark.slow
+def test_deepseek_v4_hits_through_the_host_tier_keep_their_tokens(dsv4_dir):
+    """Sliding-window, compressed-sparse and heavily-compressed groups: each group's blocks are demoted and
+    promoted under their own keys, a hit also needs its state checkpoint (the compressors' pending groups), and
+    the tokens stay those of a roomy pool."""
+    path = dsv4_dir
+    want, _ = _sessions(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256), 6, 3, seed=3)
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=14, kv_offloading_size="2MiB")
+    got, _ = _sessions(llm, 6, 3, seed=3)
+    assert got == want
+    tier = llm.engine.core.kv.host
+    assert tier is not None and tier.num_demoted > 0 and tier.num_promoted > 0
+
+
+@pytest.mark.parametrize("model", ["qwen3_5", pytest.param("deepseek_v4", marks=pytest.mark.slow)])
+def test_state_checkpoints_the_device_evicts_wait_in_the_host_tier(request, model):
+    """Two device checkpoint slots for four sessions: the least recently used checkpoint is demoted to the host
+    tier instead of dropped, and a returning session's hit takes a device slot again, loaded from the host copy
+    (the Gated DeltaNet states, or DeepSeek-V4's compressor states and tail pages), with a roomy run's tokens."""
+    path = request.getfixturevalue("q35_dir" if model == "qwen3_5" else "dsv4_dir")
+    want, _ = _sessions(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256), 4, 3, seed=4)
+    llm = LLM(path, max_num_batched_tokens=64, num_kv_blocks=64, num_state_checkpoints=2,
+              kv_offloading_size="4MiB")
+    got, counts = _sessions(llm, 4, 3, seed=4)
+    assert got == want
+    tier = llm.engine.core.kv.host_checkpoints
+    assert tier is not None and tier.num_slots >= 8, llm.config.settings["kv_offloading_size"]
+    assert tier is not None and tier.num_demoted > 0 and tier.num_promoted > 0
+    assert "state checkpoints" in llm.config.settings["kv_offloading_size"].value
+    # Each later turn resumes at its last checkpoint: it computes its new tokens and what lies past that.
+    block = llm.config.block_size
+    assert all(computed <= new + 2 * block for new, computed in counts)

@@ -83,7 +83,8 @@ class EngineCore:
                                  groups=layout.groups, num_state_slots=slots,
                                  num_checkpoints=cfg.num_state_checkpoints,
                                  checkpoint_bytes=layout.checkpoint_bytes(cfg.block_size),
-                                 host_slots=cfg.num_host_kv_blocks, disk=disk_tier(cfg))
+                                 host_slots=cfg.num_host_kv_blocks, disk=disk_tier(cfg),
+                                 host_checkpoints=cfg.num_host_checkpoints)
         self.stats = EngineStats(experts=self.model_executor.expert_cache_stats())
         self.grammars = StructuredOutputManager(cfg.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(cfg, self.kv, self.stats, self.grammars)

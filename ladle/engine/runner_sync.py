@@ -32,6 +32,8 @@ class RunnerSync:
         update, self._removed = StateUpdate(removed=self._removed), []
         if kv.disk is not None:
             update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
+        if kv.host_checkpoints is not None:
+            update.checkpoint_saves, update.checkpoint_loads = kv.host_checkpoints.take_transfers()
         return update
 
     def update(self, sched: SchedulerOutput, kv: KVCacheManager) -> StateUpdate:
@@ -65,4 +67,6 @@ class RunnerSync:
             update.kv_saves, update.kv_loads = kv.host.take_transfers()
         if kv.disk is not None:
             update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
+        if kv.host_checkpoints is not None:
+            update.checkpoint_saves, update.checkpoint_loads = kv.host_checkpoints.take_transfers()
         return update

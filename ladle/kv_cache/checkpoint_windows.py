@@ -2,7 +2,8 @@
 
 A hit at position P on DeepSeek-V4 needs its window's blocks, those holding (P - W, P), besides the checkpoint.
 Once the pool's LRU evicts one of them the checkpoint can serve no hit, so it is evicted with the block and its
-slot goes to a checkpoint that can; while it lives, its window is there. The blocks are not protected beyond
+slot goes to a checkpoint that can; while it lives, its window is there, in the pool or in the host tier (a block
+demoted there keeps its readers, whose hits promote it back). The blocks are not protected beyond
 the LRU order: pinning every checkpoint's window (the interval checkpoints' stale windows too) made the pool
 evict the compressed blocks that every hit also needs, and measured fewer hits under churn.
 """
@@ -48,6 +49,12 @@ class CheckpointWindows:
             nodes.discard(node)
             if not nodes:
                 del self.by_block[b]
+
+    def forget_block(self, block: int) -> None:
+        """The block left the pool but its contents live on (in the host tier): its readers stay, and its id,
+        handed to another prefix, no longer speaks for their window."""
+        for node in self.by_block.pop(block, ()):
+            self.by_node[node].remove(block)
 
     def readers(self, block: int) -> list[int]:
         """The nodes of the checkpoints whose hit reads block."""

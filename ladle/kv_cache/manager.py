@@ -31,6 +31,7 @@ from ladle.kv_cache.block_pool import BlockKey, BlockPool
 from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 from ladle.kv_cache.disk_tier import DiskRead, DiskTier
 from ladle.kv_cache.group_tables import GroupTables
+from ladle.kv_cache.host_checkpoints import HostCheckpoints
 from ladle.kv_cache.host_tier import HostTier
 from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
@@ -47,14 +48,15 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0,
                  num_checkpoints: int = 0, checkpoint_bytes: int = 0, host_slots: int = 0,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, host_checkpoints: int = 0) -> None:
         """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
         specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
         its state tensors hold (one per running request); a request takes one at admission and gives it back
         when freed. num_checkpoints: state checkpoints, in the state tensors' rows after those slots
         (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
         host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none). disk: the tier
-        below it (its reads fill host slots, so it needs one)."""
+        below it (its reads fill host slots, so it needs one). host_checkpoints: the host tier's state
+        checkpoints (ladle.kv_cache.host_checkpoints; 0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
@@ -79,21 +81,30 @@ class KVCacheManager:
                              "state checkpoints (num_checkpoints >= 1)")
         self.checkpoints = StateCheckpoints(num_checkpoints if self.checkpointing else 0, num_state_slots,
                                             checkpoint_bytes, self._checkpoint_gone)
+        self.host_checkpoints = (HostCheckpoints(host_checkpoints, self.tree.unref)
+                                 if self.checkpointing and host_checkpoints else None)
         self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
         self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
         self.restores: dict[str, CheckpointCopy] = {}  # per admitted request: the checkpoint it resumes from
 
-    def _checkpoint_gone(self, node: int) -> None:
+    def _checkpoint_gone(self, node: int, row: int, still_valid: bool) -> None:
+        """A checkpoint left its device row: the host tier, if any, keeps a still valid one (and its node's
+        reference)."""
         self.windows.drop(node)
-        self.tree.unref(node)
+        if not (still_valid and self.host_checkpoints is not None and self.host_checkpoints.demote(node, row)):
+            self.tree.unref(node)
 
     def _block_evicted(self, block: int, key: BlockKey) -> None:
-        """A checkpoint whose hit reads the block's window can serve none now: it goes too. The host tier, if
-        any, keeps the block's contents (and its node's reference)."""
-        for reader in self.windows.readers(block):
-            self.checkpoints.evict(reader)
+        """The host tier, if any, keeps the block's contents (and its node's reference). A checkpoint whose hit
+        reads the block's window can serve none once they are gone: it goes too; while the host tier holds them
+        it stays (a hit promotes the window from there, and find_hit checks every window block is somewhere)."""
         if self.host is None or not self.host.demote(key, block):
             self.tree.unref(key[0])
+        if self.host is not None and key in self.host:
+            self.windows.forget_block(block)
+            return
+        for reader in self.windows.readers(block):
+            self.checkpoints.evict(reader)
 
     @property
     def num_blocks(self) -> int:
@@ -134,7 +145,7 @@ class KVCacheManager:
             return PrefixHit(tuple([] for _ in self.groups), 0)
         keys = self._block_tokens(request, (request.num_tokens - 1) // self.block_size)
         return find_hit(self.tree.walk(keys), self.groups, self.pool, self.block_size,
-                        self.checkpoints if self.checkpointing else None, self.host)
+                        self.checkpoints if self.checkpointing else None, self.host, self.host_checkpoints)
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed_blocks: GroupBlocks = (),
                                num_computed: int = 0) -> int:
@@ -183,6 +194,8 @@ class KVCacheManager:
         with a checkpoint leaves the copy that restores it in restores[request_id], for the runner."""
         if self._uses_state and request_id not in self.state_slots and not self._free_slots:
             return False
+        if hit is not None and hit.checkpoint < NULL_BLOCK and not self.checkpoints.num_free and not self.checkpoints:
+            return False  # its checkpoint is in the host tier, and every device checkpoint slot is pending
         computed_blocks, num_computed = (hit.blocks, hit.num_tokens) if hit is not None else ((), 0)
         ends = [num_tokens if g.window is None else first_chunk_end for g in self.groups]
         room = sum(max(0, blocks_held(g.window, num_tokens, self.block_size, chunk) - self.blocks_for(first_chunk_end))
@@ -195,11 +208,36 @@ class KVCacheManager:
             self.chains[request_id] = list(hit.nodes)
             for node in hit.nodes:
                 self.tree.ref(node)
-            if hit.checkpoint >= 0:
+            row = hit.checkpoint if hit.checkpoint >= 0 else self._promote_checkpoint(hit)
+            if row >= 0:
                 tails = self._tail_blocks(request_id, num_computed)
-                self.restores[request_id] = CheckpointCopy(hit.checkpoint, self.state_slots.get(request_id, -1),
+                self.restores[request_id] = CheckpointCopy(row, self.state_slots.get(request_id, -1),
                                                            num_computed, tails)
         return True
+
+    def _promote_checkpoint(self, hit: PrefixHit) -> int:
+        """The device row a hit's checkpoint in the host tier is loaded into (-1 for a hit that needs none):
+        a slot taken like a pending checkpoint's (its least recently used owner demoted), registered for the
+        hit's node, with its window blocks (promoted by now) as its readers."""
+        host = self.host_checkpoints
+        if hit.checkpoint == NULL_BLOCK or host is None:
+            return -1
+        node = hit.nodes[-1]
+        row = self.checkpoints.get(node)
+        if row is not None:  # (registered on the device since the hit was found)
+            return row
+        slot = host_slot(hit.checkpoint)
+        assert slot is not None and host.lookup(node) == slot
+        host.held = {slot}
+        row = self.checkpoints.take()
+        host.held = set()
+        assert row is not None  # admit checked a slot can be had
+        host.promote(node, row)
+        if self.checkpoints.register(node, row):
+            self.tree.ref(node)
+        self.windows.add(node, window_blocks(self.groups, self.pool, list(hit.nodes), hit.num_tokens,
+                                             self.block_size))
+        return row
 
     def _tail_blocks(self, request_id: str, position: int) -> tuple[int, ...]:
         """The request's block in each group whose page a checkpoint at position copies (-1: none)."""
@@ -385,6 +423,8 @@ class KVCacheManager:
         if any(self.pool.ref_counts):
             return False
         self.checkpoints.clear()
+        if self.host_checkpoints is not None:
+            self.host_checkpoints.clear()
         host, self.host = self.host, None  # the pool's evictions below are not demotions
         self.pool.reset_prefix_cache()
         self.host = host

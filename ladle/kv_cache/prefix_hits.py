@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from ladle.kv_cache.block_pool import BlockPool
     from ladle.kv_cache.group_tables import GroupTables
+    from ladle.kv_cache.host_checkpoints import HostCheckpoints
     from ladle.kv_cache.host_tier import HostTier
     from ladle.kv_cache.state_checkpoints import StateCheckpoints
 
@@ -38,13 +39,15 @@ class PrefixHit(NamedTuple):
     blocks: tuple[list[int], ...]
     num_tokens: int  # tokens the hit serves (0: none)
     nodes: tuple[int, ...] = ()  # prefix nodes of its full blocks
-    checkpoint: int = -1  # the state checkpoint it resumes from (-1: none needed)
+    checkpoint: int = -1  # the state checkpoint it resumes from (-1: none needed; host_entry(slot): the host tier's)
 
 
 def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, block_size: int,
-             checkpoints: StateCheckpoints | None, host: HostTier | None = None) -> PrefixHit:
+             checkpoints: StateCheckpoints | None, host: HostTier | None = None,
+             host_checkpoints: HostCheckpoints | None = None) -> PrefixHit:
     """nodes: the prefix nodes of the request's leading full blocks that the tree knows. checkpoints: where a
-    hit also needs a state checkpoint (None: it does not). host: the tier that serves the blocks the pool lost."""
+    hit also needs a state checkpoint (None: it does not). host, host_checkpoints: the tier that serves the
+    blocks and checkpoints the device lost."""
 
     def lookup(key: tuple[int, int]) -> int | None:
         block = pool.get_cached_block(key)
@@ -70,6 +73,9 @@ def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, b
         checkpoint = -1
         if checkpoints is not None:
             slot = checkpoints.get(nodes[k - 1]) if checkpoints.has(nodes[k - 1]) else None
+            if slot is None and host_checkpoints is not None:
+                held = host_checkpoints.lookup(nodes[k - 1])
+                slot = None if held is None else host_entry(held)
             if slot is None:
                 continue
             checkpoint = slot

@@ -7,7 +7,8 @@ KV block size. A request that will end a chunk at a checkpoint position takes a 
 copies the request's state into it right after the forward that reached the position, and only then, as the
 step's output is read, is it registered under the prefix node of that position; a step that failed or fell
 short leaves it unregistered and the slot goes back. Registered checkpoints are evicted least recently used
-first when a pending one needs a slot, and with a window block their hit reads when the pool evicts it
+first when a pending one needs a slot (into the host tier's checkpoints, where there is one:
+ladle.kv_cache.host_checkpoints), and with a window block their hit reads when the pool drops it
 (ladle.kv_cache.checkpoint_windows); a checkpoint may go while its KV blocks stay.
 """
 from __future__ import annotations
@@ -31,9 +32,10 @@ class CheckpointCopy:
 
 class StateCheckpoints:
     def __init__(self, num_checkpoints: int, first_slot: int, bytes_each: int,
-                 on_evict: Callable[[int], None]) -> None:
+                 on_evict: Callable[[int, int, bool], None]) -> None:
         """first_slot: the state tensors' row of checkpoint 0 (after the running requests' slots);
-        on_evict(node): a registered checkpoint went (its node loses a reference)."""
+        on_evict(node, row, still_valid): a registered checkpoint left its row (the node loses the reference,
+        unless a host tier keeps a still valid one: one evicted for room, not for a lost window)."""
         self.num_checkpoints = num_checkpoints
         self.first_slot = first_slot
         self.bytes_each = bytes_each
@@ -60,20 +62,21 @@ class StateCheckpoints:
         return node in self._by_node
 
     def take(self) -> int | None:
-        """A slot for a pending checkpoint, evicting the least recently used registered one if none is free;
-        None when every slot is pending."""
+        """A slot for a pending (or promoted) checkpoint, evicting the least recently used registered one if
+        none is free; None when every slot is pending."""
         if not self._free and self._by_node:
             node, slot = self._by_node.popitem(last=False)
             self.num_evicted += 1
-            self._on_evict(node)
+            self._on_evict(node, slot, True)
             self._free.append(slot)
         return self._free.pop() if self._free else None
 
     def evict(self, node: int) -> None:
         """Evict the checkpoint of node now (a block its hit reads went)."""
-        self._free.append(self._by_node.pop(node))
+        slot = self._by_node.pop(node)
+        self._free.append(slot)
         self.num_evicted += 1
-        self._on_evict(node)
+        self._on_evict(node, slot, False)
 
     def register(self, node: int, slot: int) -> bool:
         """Make a written pending slot the checkpoint of node; False (and the slot is freed) if node has one."""
@@ -91,7 +94,7 @@ class StateCheckpoints:
     def clear(self) -> None:
         while self._by_node:
             node, slot = self._by_node.popitem(last=False)
-            self._on_evict(node)
+            self._on_evict(node, slot, False)
             self._free.append(slot)
 
     @property

@@ -40,3 +40,35 @@ class HostKVCache:
         for slot, pages in fills:
             for h, page in zip(self.host, pages, strict=True):
                 h[slot].copy_(page)
+
+
+class HostCheckpointCache:
+    """The host tier's state checkpoints (ladle.kv_cache.host_checkpoints): num_slots copies of a checkpoint's
+    row in every state tensor and of its tail page in every compressed layer (ladle.runner.checkpoint_copier)."""
+
+    def __init__(self, state_tensors: list[torch.Tensor], tails: list[torch.Tensor], first_checkpoint: int,
+                 num_slots: int) -> None:
+        """tails: allocate_checkpoint_tails' tensors, [num_checkpoints, ...] each, row r for checkpoint row
+        first_checkpoint + r."""
+        self.device = [*state_tensors, *tails]
+        self.num_state = len(state_tensors)
+        self.first_checkpoint = first_checkpoint
+        pin = any(t.is_cuda for t in self.device)
+        self.host = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self.device]
+
+    def _row(self, i: int, row: int) -> int:
+        return row if i < self.num_state else row - self.first_checkpoint
+
+    @torch.no_grad()
+    def save(self, copies: list[tuple[int, int]]) -> None:
+        """(device checkpoint row, host slot) pairs, in order (a slot saved twice keeps the later)."""
+        for i, (t, h) in enumerate(zip(self.device, self.host)):
+            for row, slot in copies:
+                h[slot].copy_(t[self._row(i, row)])
+
+    @torch.no_grad()
+    def load(self, copies: list[tuple[int, int]]) -> None:
+        """(host slot, device checkpoint row) pairs."""
+        for i, (t, h) in enumerate(zip(self.device, self.host)):
+            for slot, row in copies:
+                t[self._row(i, row)].copy_(h[slot])

@@ -22,7 +22,7 @@ from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.checkpoint_copier import CheckpointCopier
 from ladle.runner.cuda_graphs import DecodeGraphs
 from ladle.runner.disk_kv_writer import DiskKVWriter
-from ladle.runner.host_kv_cache import HostKVCache
+from ladle.runner.host_kv_cache import HostCheckpointCache, HostKVCache
 from ladle.runner.inputs import StepInputs, build_step_inputs
 from ladle.runner.mixed_graphs import MixedGraphs
 from ladle.runner.mtp_drafter import MtpDrafter
@@ -77,6 +77,7 @@ class ModelRunner:
         max_num_seqs: int = 256, seed: int = 0, checkpoint_tails: dict[int, torch.Tensor] | None = None,
         first_checkpoint: int = 0, draft_rows: tuple[int, int] = (0, 0), mtp_drafts: int = 0,
         host_kv: HostKVCache | None = None, disk_writer: DiskKVWriter | None = None,
+        host_checkpoints: HostCheckpointCache | None = None,
     ) -> None:
         """block_tables: the persistent host tables, one per KV cache group (None: built from each step);
         groups: the paged KV cache groups with the backends chosen at startup (attention_groups; one
@@ -88,10 +89,11 @@ class ModelRunner:
         on a model with state layers keeps slot s's state after its j-th new token in row first + s * k + j.
         mtp_drafts: the model's MTP layer drafts this many tokens after each sampled one (0: it does not run).
         host_kv: the prefix cache's host tier's tensors (None: no host tier); disk_writer: the disk tier's writes
-        below it (None: no disk tier)."""
+        below it (None: no disk tier); host_checkpoints: the host tier's state checkpoints (None: none)."""
         self.model = model
         self.host_kv = host_kv
         self.disk_writer = disk_writer
+        self.host_checkpoints = host_checkpoints
         self.max_num_seqs = max_num_seqs  # also the rows of a prompt-logprobs slice (ladle.runner.prompt_logprobs)
         self.checkpoints = CheckpointCopier(kv_caches, state_groups, groups or (), checkpoint_tails or {},
                                             first_checkpoint)
@@ -156,6 +158,10 @@ class ModelRunner:
                 self.host_kv.save(update.kv_saves)
             if update.kv_loads:
                 self.host_kv.load(update.kv_loads)
+        if update.checkpoint_saves or update.checkpoint_loads:
+            assert self.host_checkpoints is not None  # given where the engine has a host checkpoint tier
+            self.host_checkpoints.save(update.checkpoint_saves)
+            self.host_checkpoints.load(update.checkpoint_loads)
         self.requests.apply(update)
         for new in update.new_requests:
             if new.restore is not None:

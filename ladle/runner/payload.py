@@ -93,10 +93,15 @@ class StateUpdate:
     kv_stores: list[DiskStore] = field(default_factory=list)
     kv_unlinks: list[str] = field(default_factory=list)
     kv_fills: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
+    # The host tier's state checkpoints (ladle.kv_cache.host_checkpoints): (device checkpoint row, host slot)
+    # copies out, then (host slot, device checkpoint row) copies in, before any restore.
+    checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
+    checkpoint_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.new_requests or self.diffs or self.removed or self.kv_saves or self.kv_loads
-                    or self.kv_stores or self.kv_unlinks or self.kv_fills)
+                    or self.kv_stores or self.kv_unlinks or self.kv_fills or self.checkpoint_saves
+                    or self.checkpoint_loads)
 
 
 @dataclass(frozen=True)

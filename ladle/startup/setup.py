@@ -25,7 +25,7 @@ from ladle.quantization.apply import weights_format
 from ladle.quantization.config import resolve_quantization
 from ladle.runner.block_table import BlockTableBuffer
 from ladle.runner.disk_kv_writer import DiskKVWriter
-from ladle.runner.host_kv_cache import HostKVCache
+from ladle.runner.host_kv_cache import HostCheckpointCache, HostKVCache
 from ladle.runner.kv_allocation import allocate_checkpoint_tails, allocate_kv_caches
 from ladle.runner.model_runner import ModelRunner
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
@@ -126,40 +126,48 @@ HOST_TIER_POOL_MULTIPLE = 2  # a derived host tier holds twice the device pool (
 HOST_TIER_SHARE_OF_FREE = 0.25  # and never more than this share of the host's free memory
 
 
-def _host_tier_blocks(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix_caching: bool,
-                      device: torch.device, num_kv_blocks: int) -> int:
-    """kv_offloading_size in blocks of the layout; refused where it could hold nothing. Without it: on CUDA, twice
-    the device pool within a quarter of the free host memory (a hit copied over PCIe beats recomputing its
-    history); on CPU none, since there the pool is host memory already and a larger pool serves the same hits
-    without the copies."""
+def _host_tier(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix_caching: bool,
+               device: torch.device, num_kv_blocks: int, num_checkpoints: int, interval: int) -> tuple[int, int]:
+    """kv_offloading_size as (blocks, state checkpoints) of the layout: a model with state checkpoints keeps one
+    per `interval` tokens of blocks, the density its prefills write them at (a hit needs both; a model without
+    gives it all to blocks); refused where it could hold nothing.
+    Without it: on CUDA, twice the device's prefix cache within a quarter of the free host memory (a hit copied
+    over PCIe beats recomputing its history); on CPU none, since there the pool is host memory already and a
+    larger pool serves the same hits without the copies."""
+    block, checkpoint = layout.block_bytes, layout.checkpoint_bytes(layout.block_size) if num_checkpoints else 0
+    device_bytes = num_kv_blocks * block + num_checkpoints * checkpoint
     if args.kv_offloading_size is None:
         if not prefix_caching:
             prov.put("kv_offloading_size", "off", "prefix caching is off: the host tier keeps only cached blocks")
-            return 0
+            return 0, 0
         if device.type != "cuda":
             prov.put("kv_offloading_size", "off", "on CPU the KV pool is host memory already: a larger pool "
                      "(kv_cache_memory_bytes) serves the same hits without copies")
-            return 0
+            return 0, 0
         free = free_memory_bytes(torch.device("cpu"))
-        blocks = min(HOST_TIER_POOL_MULTIPLE * num_kv_blocks, int(free * HOST_TIER_SHARE_OF_FREE) // layout.block_bytes)
-        if blocks < 1:
+        size = min(HOST_TIER_POOL_MULTIPLE * device_bytes, int(free * HOST_TIER_SHARE_OF_FREE))
+        why = (f"{HOST_TIER_POOL_MULTIPLE}x the device pool, within a quarter of the {format_bytes(free)} free "
+               "host memory")
+    else:
+        size = parse_bytes(args.kv_offloading_size, "kv_offloading_size")
+        if not prefix_caching:
+            raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks, but enable_prefix_caching "
+                             "is off; turn it on or drop kv_offloading_size")
+        why = ""
+    checkpoints = size // (max(1, interval // layout.block_size) * block + checkpoint) if checkpoint else 0
+    if checkpoint and not checkpoints and size >= checkpoint + block:
+        checkpoints = 1
+    blocks = (size - checkpoints * checkpoint) // block
+    if blocks < 1:
+        if args.kv_offloading_size is None:
             prov.put("kv_offloading_size", "off", f"a quarter of the {format_bytes(free)} free host memory holds "
                      "no block")
-            return 0
-        prov.put("kv_offloading_size", f"{format_bytes(blocks * layout.block_bytes)} ({blocks} blocks)",
-                 f"{HOST_TIER_POOL_MULTIPLE}x the device pool, within a quarter of the {format_bytes(free)} free "
-                 "host memory")
-        return blocks
-    size = parse_bytes(args.kv_offloading_size, "kv_offloading_size")
-    if not prefix_caching:
-        raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks, but enable_prefix_caching is "
-                         "off; turn it on or drop kv_offloading_size")
-    blocks = size // layout.block_bytes
-    if blocks < 1:
+            return 0, 0
         raise ValueError(f"kv_offloading_size={args.kv_offloading_size!r} holds no block of this model "
-                         f"({format_bytes(layout.block_bytes)} each); give at least that much")
-    prov.put("kv_offloading_size", f"{format_bytes(size)} ({blocks} blocks)")
-    return blocks
+                         f"({format_bytes(block)} each); give at least that much")
+    held = f"{blocks} blocks" + (f", {checkpoints} state checkpoints" if checkpoints else "")
+    prov.put("kv_offloading_size", f"{format_bytes(size)} ({held})", why)
+    return blocks, checkpoints
 
 
 def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
@@ -178,7 +186,11 @@ def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
     tables = [BlockTableBuffer(2 * cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size))
               for _ in layout.groups]
     groups = attention_groups(layout, cfg.device, cfg.attention_backend)
-    host_kv, disk_writer = None, None
+    host_kv, disk_writer, host_checkpoints = None, None, None
+    if cfg.num_host_checkpoints:
+        host_checkpoints = HostCheckpointCache(
+            [t for g in layout.state_groups for layer in g.layers for t in caches[layer]], list(tails.values()),
+            slots, cfg.num_host_checkpoints)
     if cfg.num_host_kv_blocks:
         paged = {id(t): t for g in layout.groups for layer in g.layers for t in caches[layer]}
         host_kv = HostKVCache(list(paged.values()), cfg.num_host_kv_blocks)
@@ -189,7 +201,7 @@ def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
                        tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
                        draft_rows=(slots + cfg.num_state_checkpoints, drafts), mtp_drafts=mtp_drafts(cfg.speculative),
-                       host_kv=host_kv, disk_writer=disk_writer)
+                       host_kv=host_kv, disk_writer=disk_writer, host_checkpoints=host_checkpoints)
 
 
 def agree_on_plan(plan: MemoryPlan, tp: TensorParallel, prov: Provenance) -> MemoryPlan:
@@ -326,7 +338,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     interval = resolve_interval(args, prov, min(plan.max_prefill_length, plan.max_num_batched_tokens),
                                 num_checkpoints)
     prov.put("tensor_parallel_size", tp.world_size)
-    host_blocks = _host_tier_blocks(args, prov, layout, prefix_caching, device, plan.num_kv_blocks)
+    host_blocks, host_checkpoints = _host_tier(args, prov, layout, prefix_caching, device, plan.num_kv_blocks,
+                                               num_checkpoints, interval)
     checkpointing = bool(layout.state_groups) or any(c != (1, 1) for c in layout.compressions)
     kv_disk = resolve_kv_disk(args, prov, layout, dtype, value, host_blocks, checkpointing, tp.world_size)
     config = EngineConfig(
@@ -334,7 +347,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,
         max_prefill_length=plan.max_prefill_length, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_kv_blocks=plan.num_kv_blocks, seed=args.seed, enable_prefix_caching=prefix_caching,
-        num_host_kv_blocks=host_blocks, kv_disk=kv_disk,
+        num_host_kv_blocks=host_blocks, num_host_checkpoints=host_checkpoints, kv_disk=kv_disk,
         num_state_checkpoints=num_checkpoints, state_checkpoint_interval=interval,
         max_cudagraph_capture_size=graph_batch, cudagraph_mode=graph_mode, async_scheduling=async_scheduling,
         partial_prefills=limits, scheduling_policy=args.scheduling_policy, attention_backend=backend,
