@@ -11,6 +11,12 @@ host hit is exact for the same reason a device hit is, and it holds a reference 
 Caching is inclusive: a promoted block keeps its host copy, so evicting it again copies nothing. Slots are
 reused least recently used first; every page size of a layout is equal (ladle.kv_cache.specs), so one slot
 holds a block of any group.
+
+The state checkpoints of a model with per-request state tier the same way, in a HostTier of their own keyed
+(node, CHECKPOINT): one the device's checkpoint slots evict for room (ladle.kv_cache.state_checkpoints) is demoted
+from its row, and a hit on it takes a row again, loaded before the step's restores. A checkpoint is exact for
+its node whichever request wrote it; one that can no longer serve (a window block it reads was dropped) is never
+demoted.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from collections.abc import Callable
 
 from ladle.kv_cache.block_pool import BlockKey
 
-KVTransfer = tuple[int, int]  # (from, to): a device block and a host slot, or a host slot and a device block
+KVTransfer = tuple[int, int]  # (from, to): a device block (or checkpoint row) and a host slot, or the reverse
+CHECKPOINT = -1  # the group of a state checkpoint's key
 
 
 class HostTier:

@@ -31,8 +31,7 @@ from ladle.kv_cache.block_pool import BlockKey, BlockPool
 from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
 from ladle.kv_cache.disk_tier import DiskRead, DiskTier
 from ladle.kv_cache.group_tables import GroupTables
-from ladle.kv_cache.host_checkpoints import HostCheckpoints
-from ladle.kv_cache.host_tier import HostTier
+from ladle.kv_cache.host_tier import CHECKPOINT, HostTier
 from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
@@ -56,7 +55,7 @@ class KVCacheManager:
         (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
         host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none). disk: the tier
         below it (its reads fill host slots, so it needs one). host_checkpoints: the host tier's state
-        checkpoints (ladle.kv_cache.host_checkpoints; 0: none)."""
+        checkpoints (a HostTier of their own; 0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
@@ -81,7 +80,7 @@ class KVCacheManager:
                              "state checkpoints (num_checkpoints >= 1)")
         self.checkpoints = StateCheckpoints(num_checkpoints if self.checkpointing else 0, num_state_slots,
                                             checkpoint_bytes, self._checkpoint_gone)
-        self.host_checkpoints = (HostCheckpoints(host_checkpoints, self.tree.unref)
+        self.host_checkpoints = (HostTier(host_checkpoints, self.tree.unref)
                                  if self.checkpointing and host_checkpoints else None)
         self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
         self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
@@ -91,7 +90,8 @@ class KVCacheManager:
         """A checkpoint left its device row: the host tier, if any, keeps a still valid one (and its node's
         reference)."""
         self.windows.drop(node)
-        if not (still_valid and self.host_checkpoints is not None and self.host_checkpoints.demote(node, row)):
+        host = self.host_checkpoints
+        if not (still_valid and host is not None and host.demote((node, CHECKPOINT), row)):
             self.tree.unref(node)
 
     def _block_evicted(self, block: int, key: BlockKey) -> None:
@@ -227,12 +227,12 @@ class KVCacheManager:
         if row is not None:  # (registered on the device since the hit was found)
             return row
         slot = host_slot(hit.checkpoint)
-        assert slot is not None and host.lookup(node) == slot
-        host.held = {slot}
+        assert slot is not None and host.lookup((node, CHECKPOINT)) == slot
+        host.hold({slot})
         row = self.checkpoints.take()
-        host.held = set()
+        host.release()
         assert row is not None  # admit checked a slot can be had
-        host.promote(node, row)
+        host.promote((node, CHECKPOINT), row)
         if self.checkpoints.register(node, row):
             self.tree.ref(node)
         self.windows.add(node, window_blocks(self.groups, self.pool, list(hit.nodes), hit.num_tokens,

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
+from ladle.kv_cache.host_tier import CHECKPOINT
+
 if TYPE_CHECKING:
     from ladle.kv_cache.block_pool import BlockPool
     from ladle.kv_cache.group_tables import GroupTables
-    from ladle.kv_cache.host_checkpoints import HostCheckpoints
     from ladle.kv_cache.host_tier import HostTier
     from ladle.kv_cache.state_checkpoints import StateCheckpoints
 
@@ -44,7 +45,7 @@ class PrefixHit(NamedTuple):
 
 def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, block_size: int,
              checkpoints: StateCheckpoints | None, host: HostTier | None = None,
-             host_checkpoints: HostCheckpoints | None = None) -> PrefixHit:
+             host_checkpoints: HostTier | None = None) -> PrefixHit:
     """nodes: the prefix nodes of the request's leading full blocks that the tree knows. checkpoints: where a
     hit also needs a state checkpoint (None: it does not). host, host_checkpoints: the tier that serves the
     blocks and checkpoints the device lost."""
@@ -74,7 +75,7 @@ def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, b
         if checkpoints is not None:
             slot = checkpoints.get(nodes[k - 1]) if checkpoints.has(nodes[k - 1]) else None
             if slot is None and host_checkpoints is not None:
-                held = host_checkpoints.lookup(nodes[k - 1])
+                held = host_checkpoints.lookup((nodes[k - 1], CHECKPOINT))
                 slot = None if held is None else host_entry(held)
             if slot is None:
                 continue

@@ -8,7 +8,7 @@ copies the request's state into it right after the forward that reached the posi
 step's output is read, is it registered under the prefix node of that position; a step that failed or fell
 short leaves it unregistered and the slot goes back. Registered checkpoints are evicted least recently used
 first when a pending one needs a slot (into the host tier's checkpoints, where there is one:
-ladle.kv_cache.host_checkpoints), and with a window block their hit reads when the pool drops it
+ladle.kv_cache.host_tier), and with a window block their hit reads when the pool drops it
 (ladle.kv_cache.checkpoint_windows); a checkpoint may go while its KV blocks stay.
 """
 from __future__ import annotations

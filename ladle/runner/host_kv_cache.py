@@ -43,7 +43,7 @@ class HostKVCache:
 
 
 class HostCheckpointCache:
-    """The host tier's state checkpoints (ladle.kv_cache.host_checkpoints): num_slots copies of a checkpoint's
+    """The host tier's state checkpoints (ladle.kv_cache.host_tier): num_slots copies of a checkpoint's
     row in every state tensor and of its tail page in every compressed layer (ladle.runner.checkpoint_copier)."""
 
     def __init__(self, state_tensors: list[torch.Tensor], tails: list[torch.Tensor], first_checkpoint: int,

@@ -93,7 +93,7 @@ class StateUpdate:
     kv_stores: list[DiskStore] = field(default_factory=list)
     kv_unlinks: list[str] = field(default_factory=list)
     kv_fills: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
-    # The host tier's state checkpoints (ladle.kv_cache.host_checkpoints): (device checkpoint row, host slot)
+    # The host tier's state checkpoints (ladle.kv_cache.host_tier): (device checkpoint row, host slot)
     # copies out, then (host slot, device checkpoint row) copies in, before any restore.
     checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
     checkpoint_loads: list[tuple[int, int]] = field(default_factory=list)

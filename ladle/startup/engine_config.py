@@ -33,7 +33,7 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     num_host_kv_blocks: int = 0  # the prefix cache's host tier, in blocks (ladle.kv_cache.host_tier); 0: none
-    num_host_checkpoints: int = 0  # its state checkpoints (ladle.kv_cache.host_checkpoints); 0: none
+    num_host_checkpoints: int = 0  # its state checkpoints (ladle.kv_cache.host_tier); 0: none
     kv_disk: KVDiskConfig | None = None  # the disk tier below it (ladle.startup.kv_disk); None: none
     enable_prefix_caching: bool = True
     # Models with per-request state (or compressed KV groups): the state checkpoints prefix hits resume from.
