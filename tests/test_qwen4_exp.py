@@ -229,3 +229,16 @@ def test_ple_keeps_its_state_after_each_draft_for_a_rollback(case):
     torch.testing.assert_close(drafted[0][0], one[0][0], **close)
     assert torch.equal(drafted[1][0], one[1][0])
     assert drafted[1][3].tolist() == [*prompt[-(ctx[0] - 1):].tolist(), 15][-ctx[0]:]
+
+
+def test_a_config_hfs_own_checks_refuse_is_a_clear_error(tmp_path):
+    """HF validates some configs itself (a strict dataclass error, not a ValueError): ladle says which file."""
+    import json
+
+    from ladle import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen4ExpForCausalLM"],
+                                                      "model_type": "qwen4_exp_text", "indexer_kv_heads": 2,
+                                                      "indexer_n_heads": 3}))
+    with pytest.raises(ValueError, match="cannot read the config"):
+        LLM(str(tmp_path))

@@ -109,9 +109,11 @@ def load_config(model_dir: str) -> Any:
         return config
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist (only local checkpoints are loaded)")
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:  # the last: a config HF's own checks refuse
         raise ValueError(f"cannot read the config of {model_dir!r}: {str(e).splitlines()[0]}") from None
     model_class_for(config)
     return text_config_of(config)
