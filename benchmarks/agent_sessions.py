@@ -34,7 +34,7 @@ from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.demo import build_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS  # noqa: E402
+from common import MODELS, build_model  # noqa: E402
 
 MODEL = dict(arch="qwen3", vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, intermediate_size=512)
@@ -158,11 +158,10 @@ def main() -> None:
                     help="tiny (4 layers x 256, the default) or a benchmarks/common.py shape, e.g. qwen3-768")
     ap.add_argument("--out", help="write the rows and the summary here (JSON)")
     args = ap.parse_args()
-    shape = dict(MODEL) if args.model == "tiny" else dict(arch="qwen3", **MODELS[args.model])
-    args.vocab = shape["vocab_size"]
+    args.vocab = (MODEL if args.model == "tiny" else MODELS[args.model])["vocab_size"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_checkpoint(Path(tmp) / "model", **shape)
+        model = build_checkpoint(Path(tmp) / "model", **MODEL) if args.model == "tiny" else build_model(args.model)
         for tier in args.kv_offloading_size:
             args.replies = {}
             disk = str(Path(tmp) / f"kv-{len(runs)}")
