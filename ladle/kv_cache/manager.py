@@ -392,7 +392,8 @@ class KVCacheManager:
                 if self.pool.get_cached_block(key) is not None or key in self.host:
                     continue
                 slot = self.host.fill(key)
-                if slot is not None and read.pages is not None:
+                if slot is not None:
+                    assert read.pages is not None  # (only the reads that passed their checks are here)
                     self.tree.ref(key[0])  # the entry's
                     self.disk.fills.append((slot, read.pages))
                     self.disk.num_loaded += 1
