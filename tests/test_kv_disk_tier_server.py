@@ -31,15 +31,13 @@ def _histories(seed: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(500) for _ in range(30)] for _ in range(4)]
 
 
-def _wait_written(directory: str, timeout: float = 30) -> None:
-    """The writer thread's entries are on disk (their number stops growing)."""
-    last, deadline = -1, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        n = sum(1 for root, _, files in os.walk(directory) for f in files if f.endswith(".kv"))
-        if n == last and n > 0:
-            return
-        last = n
-        time.sleep(0.5)
+def _wait_written(server: ServerProcess, directory: str, timeout: float = 60) -> None:
+    """Every entry the engine asked its writer for is on disk (the files number its stored blocks)."""
+    stored = metric(server.metrics(), "ladle:kv_disk_stored_blocks_total")
+    deadline = time.monotonic() + timeout
+    while sum(f.endswith(".kv") for _, _, files in os.walk(directory) for f in files) < stored:
+        assert time.monotonic() < deadline, f"fewer than {stored} entries written in {timeout} s"
+        time.sleep(0.1)
 
 
 def test_sessions_come_back_from_disk_after_kill_9_and_a_clean_restart(tiny_qwen3_dir, tmp_path):
@@ -53,7 +51,7 @@ def test_sessions_come_back_from_disk_after_kill_9_and_a_clean_restart(tiny_qwen
     server = ServerProcess(tiny_qwen3_dir, tmp_path, *FLAGS, "--kv-disk-cache-dir", disk).start()
     try:
         assert [_turn(server, h)[0] for h in _histories()] == want
-        _wait_written(disk)
+        _wait_written(server, disk)
         old = server.engine_pid()
         os.kill(old, signal.SIGKILL)
         time.sleep(0.5)

@@ -30,7 +30,7 @@ class DiskKVWriter:
         self._queue: queue.Queue[tuple[str, DiskStore | None, list[torch.Tensor]] | None] = queue.Queue()
         self._backlog = 0
         self._lock = threading.Lock()
-        self.num_skipped = self.num_failed = 0
+        self.num_skipped = 0
         self._thread = threading.Thread(target=self._run, name="ladle-kv-disk-write", daemon=True)
         self._thread.start()
 
@@ -40,6 +40,9 @@ class DiskKVWriter:
             with self._lock:
                 if self._backlog + self.page_bytes > self.max_backlog_bytes:
                     self.num_skipped += 1
+                    if self.num_skipped == 1:  # said once; each skipped entry is a counted miss if ever read
+                        logger.warning("KV disk tier: the disk is slower than the engine; blocks past a backlog "
+                                       "of %d MiB are not written", self.max_backlog_bytes // 2**20)
                     continue
                 self._backlog += self.page_bytes
             pages = [t[s.block].to("cpu", copy=True) for t in self.pool]
@@ -60,7 +63,6 @@ class DiskKVWriter:
             except FileNotFoundError:
                 pass  # deleted already (by reset, or an entry never written)
             except OSError as e:  # a full or read-only disk: the entry is a miss later, never a crash now
-                self.num_failed += 1
                 logger.warning("KV disk tier: could not write %s: %s", path, e)
             finally:
                 if store is not None:
@@ -70,7 +72,7 @@ class DiskKVWriter:
         self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every write and deletion asked for so far is done."""
+        """Wait until every write and deletion asked for so far is done (the thread keeps running)."""
         self._queue.join()
 
     def close(self) -> None:
