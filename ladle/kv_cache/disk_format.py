@@ -22,6 +22,7 @@ import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -29,8 +30,8 @@ MAGIC = b"LADLEKV1"
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 _LEN = struct.Struct("<I")
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
-                                torch.float8_e5m2, torch.uint8, torch.int8)}
+_DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                                 torch.float8_e5m2, torch.uint8, torch.int8)})
 
 TensorSpec = tuple[str, tuple[int, ...]]  # (dtype name, shape of one block's page)
 

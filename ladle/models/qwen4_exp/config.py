@@ -2,6 +2,7 @@
 refused by name: a value ladle would otherwise ignore must not change what the model generates unnoticed."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 # Fields the model reads (the engine reads max_position_embeddings, eos/bos ids and tie_word_embeddings too).
@@ -16,7 +17,7 @@ READ = frozenset({
     "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio", "output_gate_type",
 })
 # Fields that cannot change what the model generates at inference, and why.
-NO_OPS = {
+NO_OPS = MappingProxyType({
     "initializer_range": "the init of random weights; a checkpoint's weights are loaded",
     "use_cache": "ladle always keeps its caches",
     "pad_token_id": "the embedding's padding row, which only training treats apart",
@@ -26,7 +27,7 @@ NO_OPS = {
     "router_aux_loss_coef": "a training loss",
     "number_of_conv_states": "HF's cache layout; ladle keeps the same states in its state slot",
     "mtp_num_hidden_layers": "the multi-token-prediction layer, which ladle does not run (its weights are not read)",
-}
+})
 # The mrope sections of the image-text model: with text only, the three position axes are equal, so every
 # section gets the same rotation and the sections change nothing.
 _ROPE_KEYS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"})
