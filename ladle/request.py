@@ -58,6 +58,9 @@ class Request:
     prefill_chunks: list[int] = field(default_factory=list)  # the sizes of the prefill chunks run, in order
     # Token positions where the frontend saw a message end: state checkpoints go there (rounded to a block).
     checkpoint_marks: tuple[int, ...] = ()
+    # The client's session (a prompt_cache_key, metadata.user_id or session header, digested): when the request
+    # ends, its prefix is kept ahead of plain LRU victims for the session's next turn (kv_cache.session_retention).
+    session_id: str | None = None
     # The model's own drafts (speculative_config method mtp) of the tokens after its last one, from the step
     # that sampled it.
     spec_token_ids: tuple[int, ...] = ()

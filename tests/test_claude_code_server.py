@@ -76,7 +76,7 @@ def test_the_recorded_request_is_served_and_count_tokens_counts_its_prompt(serve
     assert prompt > 20_000 and counted(client, body) == prompt
     after = server.metrics()
     # output_config.effort too: Qwen3's template reads no reasoning_effort.
-    for field in [BILLING_HEADER, KEEP_ALL_THINKING, MESSAGES_EFFORT, "metadata", "messages[].content[].cache_control",
+    for field in [BILLING_HEADER, KEEP_ALL_THINKING, MESSAGES_EFFORT, "messages[].content[].cache_control",
                   "system[].cache_control", "?beta=true"] + [f"anthropic-beta: {b}" for b in BETAS]:
         assert metric(after, NO_OPS, api="messages", field=field) == metric(before, NO_OPS, api="messages",
                                                                            field=field) + 1, field

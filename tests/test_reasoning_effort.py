@@ -55,7 +55,7 @@ def test_chat_hint_fields_are_counted_and_store_true_is_refused():
     req = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "k", "metadata": {"a": "b"},
         "service_tier": "flex", "verbosity": "low", "store": False, "reasoning_effort": "minimal"})
-    assert no_op_fields("chat_completions", req) == ["metadata", "prompt_cache_key", "service_tier", "verbosity"]
+    assert no_op_fields("chat_completions", req) == ["metadata", "service_tier", "verbosity"]
     with pytest.raises(ValidationError, match="stores no completions"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "store": True})
     with pytest.raises(ValidationError):

@@ -48,7 +48,7 @@ def test_codex_recorded_request_is_read_whole():
     spawn = next(t for t in chat.tools if t.function.name == "multi_agent_v1.spawn_agent").function
     assert spawn.description.startswith("Tools for spawning and managing sub-agents.\n\n")
     assert [m.role for m in chat.messages] == ["system", "system", "user", "user"]
-    assert no_op_fields("responses", req) == ["client_metadata", "include", "prompt_cache_key", "reasoning.summary"]
+    assert no_op_fields("responses", req) == ["client_metadata", "include", "reasoning.summary"]
     assert hosted_tool("web_search") in {n.path for n in NO_OPS}
 
 

@@ -9,6 +9,7 @@ import asyncio
 import random
 import re
 import time
+import uuid
 
 import httpx
 import openai
@@ -255,3 +256,25 @@ def test_metrics_report_engine_counters(server):
     steps = metric(text, "ladle:engine_steps_total")
     assert steps >= 5 and 0 <= metric(text, "ladle:engine_steps_with_lent_cpus_total") <= steps
     assert re.search(r"ladle:engine_healthy\{[^}]*\} 1\.0", text)
+
+
+def test_session_hints_reach_the_prefix_cache(server):
+    """prompt_cache_key, an x-session-affinity header and Anthropic's metadata.user_id each name a session whose
+    prefix the engine keeps (ladle:prefix_cache_sessions); a second turn of a session is the same session."""
+    tag = uuid.uuid4().hex
+    before = metric(server.metrics(), "ladle:prefix_cache_sessions")
+    msgs = [{"role": "user", "content": "keep this session's prefix for its next turn, " * 4}]
+    for _ in range(2):
+        r = server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "prompt_cache_key": f"k{tag}"})
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "a session by header", "max_tokens": 2},
+                   headers={"x-session-affinity": f"h{tag}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    r = server.post("/v1/messages", {"model": model, "max_tokens": 2, "messages": msgs,
+                                     "metadata": {"user_id": f"u{tag}"}})
+    assert r.status_code == 200, r.text
+    text = server.metrics()
+    assert metric(text, "ladle:prefix_cache_sessions") == before + 3
+    assert metric(text, "ladle:prefix_cache_kept_nodes") >= 1
+    assert metric(text, "ladle:no_op_fields_total", field="prompt_cache_key") == 0

@@ -134,16 +134,18 @@ class EngineCore:
         return Request(request_id, list(prompt_token_ids), params, max_tokens, stop_ids)
 
     def make_requests(self, parent_id: str, prompts: list[list[int]], params: SamplingParams,
-                      checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:
+                      checkpoint_marks: tuple[int, ...] = (), session_id: str | None = None) -> list[Request]:
         """The one request factory: a user request's children (n per prompt, ids by child_request_ids), each
         checked so it can run. checkpoint_marks: where a one-prompt request's messages end (state models
-        checkpoint there). Raises ValueError (RequestRejected) naming what to change."""
+        checkpoint there). session_id: the client's session, whose next turn the prefix cache keeps the
+        request's prefix for. Raises ValueError (RequestRejected) naming what to change."""
         n = params.n
         ids = child_request_ids(parent_id, len(prompts) * n)
         reqs = [self.make_request(ids[p * n + i], prompt, params.for_child(i))
                 for p, prompt in enumerate(prompts) for i in range(n)]
-        if len(prompts) == 1:
-            for req in reqs:
+        for req in reqs:
+            req.session_id = session_id
+            if len(prompts) == 1:
                 req.checkpoint_marks = tuple(checkpoint_marks)
         for req in reqs[::n]:  # siblings share what the check reads: prompt, max_tokens, priority
             self.check_request(req)
@@ -192,7 +194,7 @@ class EngineCore:
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_in_use=kv.num_blocks - kv.num_free_blocks, num_kv_blocks=kv.num_blocks, **stats.counters(),
-            **host)
+            prefix_cache_sessions=len(kv.sessions), prefix_cache_kept_nodes=kv.sessions.num_kept_nodes, **host)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._ahead is not None

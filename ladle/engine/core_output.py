@@ -68,6 +68,9 @@ class EngineSnapshot:
     kv_disk_loaded_blocks: int = 0
     kv_disk_misses: int = 0
     kv_disk_evicted_blocks: int = 0
+    # Session retention: sessions whose prefixes the cache keeps now, and the prefix nodes they keep.
+    prefix_cache_sessions: int = 0
+    prefix_cache_kept_nodes: int = 0
     step_running_s: float = 0.0  # in a pong: how long the step under way has run (0 between steps)
 
     @property

@@ -106,6 +106,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.kv.poll_disk()
+        self.kv.expire_sessions()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         running = self.policy.order(self.running)
@@ -440,7 +441,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, req.session_id)
 
     def find(self, request_id: str) -> Request | None:
         """O(1): a large offline batch adds each of its requests after a lookup of its id."""

@@ -43,7 +43,7 @@ class LLMEngine:
                         f"got {type(prompt).__name__}")
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      checkpoint_marks: tuple[int, ...] = ()) -> list[Request]:
+                      checkpoint_marks: tuple[int, ...] = (), session_id: str | None = None) -> list[Request]:
         """The core requests for one user request (n of them for n > 1), checked so that they can run (a
         structured-output constraint that does not compile raises InvalidStructuredOutput, a ValueError)."""
         if params.structured_outputs is not None:
@@ -52,12 +52,17 @@ class LLMEngine:
                     self.grammars.set_tokenizer(tokenizer_spec(self.tokenizer, self.core.hf_config.vocab_size,
                                                                sorted(self.core.eos_token_ids)))
             self.grammars.check(params.structured_outputs)
-        return self.core.make_requests(request_id, [prompt_token_ids], params, checkpoint_marks)
+        return self.core.make_requests(request_id, [prompt_token_ids], params, checkpoint_marks, session_id)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, requests: list[Request] | None = None) -> None:
+                    params: SamplingParams, requests: list[Request] | None = None,
+                    session_id: str | None = None) -> None:
+        """session_id: the client's session (offline too: an agent loop on LLMEngine), for which the prefix cache
+        keeps the request's prefix when it ends (ladle.kv_cache.session_retention)."""
         if requests is None:
-            requests = self.make_requests(request_id, prompt_token_ids, params)
+            requests = self.make_requests(request_id, prompt_token_ids, params, session_id=session_id)
+        elif session_id is not None:
+            raise ValueError("add_request: pass session_id to make_requests when giving the requests")
         for req in requests:
             self.core.add_request(req)
         self.processor.add(request_id, prompt, prompt_token_ids, params, [r.request_id for r in requests])

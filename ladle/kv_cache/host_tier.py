@@ -9,7 +9,8 @@ saves (device block -> host slot, before the forward that may write the block fo
 An entry is keyed like a cached device block (its prefix node and KV cache group, ladle.kv_cache.block_pool), so a
 host hit is exact for the same reason a device hit is, and it holds a reference on its node while it lives.
 Caching is inclusive: a promoted block keeps its host copy, so evicting it again copies nothing. Slots are
-reused least recently used first; every page size of a layout is equal (ladle.kv_cache.specs), so one slot
+reused least recently used first, an entry whose node a live session keeps (ladle.kv_cache.session_retention)
+only when no other is left; every page size of a layout is equal (ladle.kv_cache.specs), so one slot
 holds a block of any group.
 
 The state checkpoints of a model with per-request state tier the same way, in a HostTier of their own keyed
@@ -30,12 +31,15 @@ CHECKPOINT = -1  # the group of a state checkpoint's key
 
 
 class HostTier:
-    def __init__(self, num_slots: int, on_drop: Callable[[int], None]) -> None:
-        """on_drop(node): an entry left the tier (its node loses the reference the entry held)."""
+    def __init__(self, num_slots: int, on_drop: Callable[[int], None],
+                 kept: Callable[[int], bool] | None = None) -> None:
+        """on_drop(node): an entry left the tier (its node loses the reference the entry held); kept(node): a
+        session keeps the node, so its entry is dropped after every other."""
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.on_drop = on_drop
+        self.kept = kept
         self.entries: OrderedDict[BlockKey, int] = OrderedDict()  # least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self.saves: list[KVTransfer] = []  # (device block, host slot), for the runner before the next forward
@@ -74,7 +78,11 @@ class HostTier:
         kept = {s for s, _ in self.loads} | self.held
         if for_fill:
             kept |= {s for _, s in self.saves}
-        old = next((k for k, s in self.entries.items() if s not in kept), None)
+        session = self.kept
+        old = next((k for k, s in self.entries.items() if s not in kept and (session is None or not session(k[0]))),
+                   None)
+        if old is None and session is not None:
+            old = next((k for k, s in self.entries.items() if s not in kept), None)
         if old is None:
             return None
         slot = self.entries.pop(old)

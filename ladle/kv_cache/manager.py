@@ -18,6 +18,9 @@ Invariants:
   (ladle.kv_cache.prefix_tree), so each is found without the others.
 - With a disk tier (ladle.kv_cache.disk_tier), every block registered is also written to disk, and a prefix that
   continues on disk past the device and host tiers is read back into host slots before its request is admitted.
+- A request that names its session (Request.session_id) leaves its prefix nodes and its deepest checkpoint kept
+  for that session when it ends (ladle.kv_cache.session_retention): blocks and host entries under those nodes,
+  and that checkpoint, are evicted after every other. Keeping reorders eviction only.
 - A checkpoint is registered only after the forward that reached its position has run and copied the state
   (cache_full_blocks again); a request holds at most one pending checkpoint, freed with the request. A
   registered checkpoint is evicted with any window block its hit reads (ladle.kv_cache.checkpoint_windows).
@@ -34,6 +37,7 @@ from ladle.kv_cache.group_tables import GroupTables
 from ladle.kv_cache.host_tier import CHECKPOINT, HostTier
 from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
+from ladle.kv_cache.session_retention import SESSION_TTL_S, SessionRetention
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
 from ladle.kv_cache.state_checkpoints import CheckpointCopy, StateCheckpoints
 
@@ -47,7 +51,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: Sequence[KVCacheGroup] | None = None, num_state_slots: int = 0,
                  num_checkpoints: int = 0, checkpoint_bytes: int = 0, host_slots: int = 0,
-                 disk: DiskTier | None = None, host_checkpoints: int = 0) -> None:
+                 disk: DiskTier | None = None, host_checkpoints: int = 0,
+                 session_ttl_s: float = SESSION_TTL_S) -> None:
         """groups: the layout's paged groups (KVCacheLayout.groups; one full-attention group if None), whose
         specs say each one's window and compression. num_state_slots: for a model with state layers, the slots
         its state tensors hold (one per running request); a request takes one at admission and gives it back
@@ -55,12 +60,15 @@ class KVCacheManager:
         (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
         host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none). disk: the tier
         below it (its reads fill host slots, so it needs one). host_checkpoints: the host tier's state
-        checkpoints (a HostTier of their own; 0: none)."""
+        checkpoints (a HostTier of their own; 0: none). session_ttl_s: how long a session's prefix stays kept after
+        its last request ended."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
-        self.pool = BlockPool(num_blocks, on_evict=self._block_evicted)
-        self.host = HostTier(host_slots, self.tree.unref) if enable_caching and host_slots else None
+        self.sessions = SessionRetention(self._kept_changed, session_ttl_s)
+        kept = self.sessions.kept
+        self.pool = BlockPool(num_blocks, on_evict=self._block_evicted, kept=kept)
+        self.host = HostTier(host_slots, self.tree.unref, kept) if enable_caching and host_slots else None
         if disk is not None and self.host is None:
             raise ValueError("the KV disk tier reads into host slots: it needs prefix caching and a host tier")
         self.disk = disk
@@ -79,12 +87,24 @@ class KVCacheManager:
             raise ValueError("prefix caching on a model with per-request state or compressed KV groups needs "
                              "state checkpoints (num_checkpoints >= 1)")
         self.checkpoints = StateCheckpoints(num_checkpoints if self.checkpointing else 0, num_state_slots,
-                                            checkpoint_bytes, self._checkpoint_gone)
-        self.host_checkpoints = (HostTier(host_checkpoints, self.tree.unref)
+                                            checkpoint_bytes, self._checkpoint_gone, self.sessions.kept_checkpoint)
+        self.host_checkpoints = (HostTier(host_checkpoints, self.tree.unref, self.sessions.kept_checkpoint)
                                  if self.checkpointing and host_checkpoints else None)
         self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
         self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
         self.restores: dict[str, CheckpointCopy] = {}  # per admitted request: the checkpoint it resumes from
+
+    def _kept_changed(self, node: int, kept: bool) -> None:
+        """A session started or stopped keeping node: its free device blocks change queue (the host tier and
+        the checkpoints ask when they choose a victim)."""
+        for gi in range(len(self.groups)):
+            block = self.pool.get_cached_block((node, gi))
+            if block is not None:
+                self.pool.requeue(block, kept)
+
+    def expire_sessions(self) -> None:
+        """Sessions idle past their time stop keeping their prefixes (once a step: O(1) when none lapses)."""
+        self.sessions.expire()
 
     def _checkpoint_gone(self, node: int, row: int, still_valid: bool) -> None:
         """A checkpoint left its device row: the host tier, if any, keeps a still valid one (and its node's
@@ -400,9 +420,16 @@ class KVCacheManager:
             for node in nodes:
                 self.tree.unref(node)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, session: str | None = None) -> None:
         """Drop the request's references (its state slot and pending checkpoint too); its registered blocks
-        and checkpoints stay cached until evicted."""
+        and checkpoints stay cached until evicted. session: the session the request ended a turn of, which now
+        keeps the request's prefix (not given for a preemption: the request comes back)."""
+        if session is not None and self.enable_caching:
+            chain = self.chains.get(request_id, [])
+            host = self.host_checkpoints
+            deepest = next((n for n in reversed(chain) if self.checkpoints.has(n)
+                            or (host is not None and (n, CHECKPOINT) in host)), -1) if self.checkpointing else -1
+            self.sessions.record(session, chain, deepest)
         slot = self.state_slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -423,6 +450,7 @@ class KVCacheManager:
         is in use."""
         if any(self.pool.ref_counts):
             return False
+        self.sessions.clear()
         self.checkpoints.clear()
         if self.host_checkpoints is not None:
             self.host_checkpoints.clear()

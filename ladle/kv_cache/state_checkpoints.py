@@ -7,9 +7,10 @@ KV block size. A request that will end a chunk at a checkpoint position takes a 
 copies the request's state into it right after the forward that reached the position, and only then, as the
 step's output is read, is it registered under the prefix node of that position; a step that failed or fell
 short leaves it unregistered and the slot goes back. Registered checkpoints are evicted least recently used
-first when a pending one needs a slot (into the host tier's checkpoints, where there is one:
-ladle.kv_cache.host_tier), and with a window block their hit reads when the pool drops it
-(ladle.kv_cache.checkpoint_windows); a checkpoint may go while its KV blocks stay.
+first when a pending one needs a slot (a live session's kept checkpoint only when no other is left:
+ladle.kv_cache.session_retention; into the host tier's checkpoints, where there is one: ladle.kv_cache.host_tier),
+and with a window block their hit reads when the pool drops it (ladle.kv_cache.checkpoint_windows); a checkpoint
+may go while its KV blocks stay.
 """
 from __future__ import annotations
 
@@ -32,16 +33,18 @@ class CheckpointCopy:
 
 class StateCheckpoints:
     def __init__(self, num_checkpoints: int, first_slot: int, bytes_each: int,
-                 on_evict: Callable[[int, int, bool], None]) -> None:
+                 on_evict: Callable[[int, int, bool], None], kept: Callable[[int], bool] | None = None) -> None:
         """first_slot: the state tensors' row of checkpoint 0 (after the running requests' slots);
         on_evict(node, row, still_valid): a registered checkpoint left its row (the node loses the reference,
-        unless a host tier keeps a still valid one: one evicted for room, not for a lost window)."""
+        unless a host tier keeps a still valid one: one evicted for room, not for a lost window); kept(node): a
+        session keeps the node's checkpoint, so it is evicted for room after every other."""
         self.num_checkpoints = num_checkpoints
         self.first_slot = first_slot
         self.bytes_each = bytes_each
         self._free = [first_slot + i for i in range(num_checkpoints - 1, -1, -1)]
         self._by_node: OrderedDict[int, int] = OrderedDict()  # registered, least recently used first
         self._on_evict = on_evict
+        self._kept = kept
         self.num_stored = 0
         self.num_evicted = 0
 
@@ -65,7 +68,9 @@ class StateCheckpoints:
         """A slot for a pending (or promoted) checkpoint, evicting the least recently used registered one if
         none is free; None when every slot is pending."""
         if not self._free and self._by_node:
-            node, slot = self._by_node.popitem(last=False)
+            kept = self._kept
+            node = next((n for n in self._by_node if kept is None or not kept(n)), next(iter(self._by_node)))
+            slot = self._by_node.pop(node)
             self.num_evicted += 1
             self._on_evict(node, slot, True)
             self._free.append(slot)

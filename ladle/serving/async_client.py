@@ -130,7 +130,7 @@ class AsyncEngineClient:
         return proc
 
     async def add_request(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                          checkpoint_marks: tuple[int, ...] = ()) -> RequestHandle:
+                          checkpoint_marks: tuple[int, ...] = (), session_id: str | None = None) -> RequestHandle:
         """Submit one API request: n engine requests per prompt (all or none; ids by child_request_ids);
         returns once the engine accepted them. Raises RequestRejected (bad request, queue full),
         EngineUnavailableError or EngineDeadError."""
@@ -142,7 +142,7 @@ class AsyncEngineClient:
         self._requests[request_id] = handle
         for cid in handle.child_ids:
             self._child_to_parent[cid] = request_id
-        proc.send(AddRequest(request_id, prompts, params, checkpoint_marks))
+        proc.send(AddRequest(request_id, prompts, params, checkpoint_marks, session_id))
         try:
             await handle.accepted
         except asyncio.CancelledError:

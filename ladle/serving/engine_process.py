@@ -135,7 +135,8 @@ class EngineLoop:
     def _handle(self, msg: ToEngine | _ReceiveFailed) -> bool:
         """Apply one message; False means shut down."""
         if isinstance(msg, AddRequest):
-            self._add(msg.parent_id, [list(p) for p in msg.prompts], msg.params, msg.checkpoint_marks)
+            self._add(msg.parent_id, [list(p) for p in msg.prompts], msg.params, msg.checkpoint_marks,
+                      msg.session_id)
         elif isinstance(msg, AbortRequests):
             outputs = self.core.abort_requests(list(msg.child_ids))
             if outputs:
@@ -149,14 +150,14 @@ class EngineLoop:
         return True
 
     def _add(self, parent_id: str, prompts: list[list[int]], params: SamplingParams,
-             marks: tuple[int, ...] = ()) -> None:
+             marks: tuple[int, ...] = (), session_id: str | None = None) -> None:
         """All children of one API request are admitted together, or none is."""
         if self.max_queue_len is not None and self.core.snapshot().num_waiting >= self.max_queue_len:
             self.send(Rejected(parent_id, "queue_full",
                                f"the server's queue is full ({self.max_queue_len} requests waiting); retry later"))
             return
         try:
-            requests = self.core.make_requests(parent_id, prompts, params, marks)
+            requests = self.core.make_requests(parent_id, prompts, params, marks, session_id)
         except RequestRejected as e:
             self.send(Rejected(parent_id, e.code, str(e)))
             return

@@ -30,6 +30,7 @@ class AddRequest:
     prompts: tuple[tuple[int, ...], ...] | list[list[int]]
     params: SamplingParams
     checkpoint_marks: tuple[int, ...] = ()  # where a chat prompt's messages end (ladle.frontend.message_marks)
+    session_id: str | None = None  # the client's session (ladle.kv_cache.session_retention)
 
 
 @dataclass(frozen=True)

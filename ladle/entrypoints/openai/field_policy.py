@@ -2,11 +2,12 @@
 
 A no-op is allowed only where ignoring the field cannot change what the model sees or generates: cache and
 routing hints, client metadata, things a stateless server already does. Real clients send them on every
-request (Codex CLI's prompt_cache_key and client_metadata, Claude Code's cache_control and metadata.user_id),
-so a 400 on one locks the client out; each is counted on /metrics (ladle:no_op_fields_total, by API and field)
-and listed in the README's table, which a test holds equal to NO_OPS. A field outside the protocol models is
-still a 400, since they forbid extra keys. The session hints (prompt_cache_key, metadata.user_id) are no-ops to the
-engine; only `ladle serve-replicas`' router reads them, to choose a replica (session_routing.py).
+request (Codex CLI's client_metadata, Claude Code's cache_control), so a 400 on one locks the client out; each
+is counted on /metrics (ladle:no_op_fields_total, by API and field) and listed in the README's table, which a
+test holds equal to NO_OPS. A field outside the protocol models is still a 400, since they forbid extra keys. The
+session hints (prompt_cache_key, metadata.user_id) are honoured,
+not listed: the prefix cache keeps a session's prefix for its next turn (ladle.kv_cache.session_retention), and
+`ladle serve-replicas`' router sends a session to one replica (session_routing.py).
 
 Paths are dotted field names as the request spells them, `[]` standing for every element of a list; a value
 entry (`path=value`) is a no-op only when the field holds that value (the code that serves the field counts it),
@@ -41,8 +42,6 @@ BILLING_HEADER = f"system[].text={BILLING_PREFIX} ..."
 KEEP_ALL_THINKING = "context_management.edits[].keep=all"
 MESSAGES_EFFORT = "output_config.effort=*"  # counted by serving_messages
 BETA = "anthropic-beta"
-_CACHE_KEY = ("a prompt-caching routing hint: the engine caches every prefix on its own, whatever the key, and a hit "
-              "never changes the output; `ladle serve-replicas` routes a key's requests to one replica")
 _TIER = "one tier here: every value is served alike"
 _VERBOSITY = ("a length hint OpenAI's GPT-5 models were trained to follow; the model here has no such control, so it "
               "answers as it would without it")
@@ -63,8 +62,6 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", "user", _USER),
     NoOp("completions", "user", _USER),
     NoOp("responses", "user", _USER),
-    NoOp("messages", "metadata", "client metadata (Claude Code's user_id); the engine reads none of it, and "
-         "`ladle serve-replicas` routes a user_id's requests to one replica"),
     NoOp("messages", "service_tier", "one tier here: auto and standard_only mean the same"),
     NoOp("messages", "cache_control", _CACHE),
     NoOp("messages", "tools[].cache_control", _CACHE),
@@ -100,7 +97,6 @@ NO_OPS: tuple[NoOp, ...] = (
          "is the window either way", "header"),
     NoOp("messages", "?beta=true", "the Anthropic SDK's beta client marks its URLs so (Claude Code's do); the beta "
          "features it uses are named in anthropic-beta, each served or refused there", "query"),
-    NoOp("chat_completions", "prompt_cache_key", _CACHE_KEY),
     NoOp("chat_completions", "metadata", "client metadata for OpenAI's stored completions; nothing is stored here "
          "and nothing reads it"),
     NoOp("chat_completions", "service_tier", _TIER),
@@ -108,7 +104,6 @@ NO_OPS: tuple[NoOp, ...] = (
     NoOp("chat_completions", CHAT_EFFORT, _EFFORT, "value"),
     NoOp("responses", "include", "asks for the reasoning encrypted, for a stateless client to send back; nothing "
          "here is encrypted or kept: reasoning items carry the thinking as text, which comes back as it went"),
-    NoOp("responses", "prompt_cache_key", _CACHE_KEY),
     NoOp("responses", "client_metadata", "client metadata (Codex's session and turn ids); nothing here reads it"),
     NoOp("responses", "service_tier", _TIER),
     NoOp("responses", "text.verbosity", _VERBOSITY),

@@ -97,10 +97,10 @@ class GenerationStream:
 
     def __init__(self, client: AsyncEngineClient, tokenizer: Any, texts: TokenTexts, metrics: ServerMetrics,
                  request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 checkpoint_marks: tuple[int, ...] = ()) -> None:
+                 checkpoint_marks: tuple[int, ...] = (), session_id: str | None = None) -> None:
         self.client, self.texts, self.metrics = client, texts, metrics  # texts: for the endpoints' logprobs
         self.request_id, self.prompts, self.params = request_id, prompts, params
-        self.checkpoint_marks = checkpoint_marks
+        self.checkpoint_marks, self.session_id = checkpoint_marks, session_id
         self.arrival = time.monotonic()
         self.first_token_seen = False
         self.cached_tokens: dict[str, int] = {}  # per child: prompt tokens the prefix cache served it
@@ -118,7 +118,7 @@ class GenerationStream:
         """Submit to the engine; raises OpenAIError if it will not take the request."""
         try:
             self._handle = await self.client.add_request(self.request_id, self.prompts, self.params,
-                                                         self.checkpoint_marks)
+                                                         self.checkpoint_marks, self.session_id)
         except RequestRejected as e:
             status = {"queue_full": 429, "internal_error": 500}.get(e.code, 400)
             raise OpenAIError(status, str(e), code=e.code) from None

@@ -73,6 +73,10 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
         self.state_checkpoint_bytes = gauge("state_checkpoint_bytes", "Bytes held by registered state checkpoints.")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks in use.")
+        self.prefix_cache_sessions = gauge("prefix_cache_sessions", "Sessions (prompt_cache_key, metadata.user_id, "
+                                           "session headers) whose prefixes the cache keeps for their next turn.")
+        self.prefix_cache_kept_nodes = gauge("prefix_cache_kept_nodes", "Prefix-cache blocks of tokens the live "
+                                             "sessions keep (evicted after every other).")
         self.engine_healthy = gauge("engine_healthy", "1 while the engine process is up and serving.")
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"ladle:{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
@@ -119,6 +123,8 @@ class ServerMetrics:
         self.kv_blocks_in_use.set(snap.kv_blocks_in_use)
         self.kv_cache_usage_perc.set(snap.kv_usage)
         self.state_checkpoint_bytes.set(snap.state_checkpoint_bytes)
+        self.prefix_cache_sessions.set(snap.prefix_cache_sessions)
+        self.prefix_cache_kept_nodes.set(snap.prefix_cache_kept_nodes)
 
     def set_engine(self, healthy: bool, num_restarts: int) -> None:
         self.engine_healthy.set(1 if healthy else 0)

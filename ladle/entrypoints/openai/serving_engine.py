@@ -54,9 +54,9 @@ class ServingContext:
         self.texts = TokenTexts(self.tokenizer)
 
     def stream(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               checkpoint_marks: tuple[int, ...] = ()) -> GenerationStream:
+               checkpoint_marks: tuple[int, ...] = (), session_id: str | None = None) -> GenerationStream:
         return GenerationStream(self.client, self.tokenizer, self.texts, self.metrics, request_id, prompts, params,
-                                checkpoint_marks)
+                                checkpoint_marks, session_id)
 
     def accepted(self, api: str, params: SamplingParams) -> None:
         """A request the engine took, for /metrics (by API; constrained ones counted too)."""

@@ -37,17 +37,21 @@ def _norm(name: str) -> str:
 
 
 def session_key(path: str, headers: Mapping[str, str], body: Any) -> str | None:
-    """The request's session key (a digest of the hint, so the router's map stays small), or None. metadata.user_id
-    counts only on the Messages API (path), where it is Anthropic's field."""
+    """The request's session key from its raw JSON body (the router sees no parsed request), or None.
+    metadata.user_id counts only on the Messages API (path), where it is Anthropic's field."""
+    key = body.get("prompt_cache_key") if isinstance(body, dict) else None
+    meta = body.get("metadata") if isinstance(body, dict) and path.rstrip("/").endswith("/messages") else None
+    user = meta.get("user_id") if isinstance(meta, dict) else None
+    return session_hint(headers, key if isinstance(key, str) else None, user if isinstance(user, str) else None)
+
+
+def session_hint(headers: Mapping[str, str], prompt_cache_key: str | None = None,
+                 user_id: str | None = None) -> str | None:
+    """The session key of a request with these headers and fields (a digest of the hint, so maps keyed by it stay
+    small), or None; the hints' order is the module's."""
     h = {_norm(k): v for k, v in headers.items()}
-    hint = h.get(AFFINITY_HEADER)
-    if not hint and isinstance(body, dict):
-        key = body.get("prompt_cache_key")
-        meta = body.get("metadata") if path.rstrip("/").endswith("/messages") else None
-        user = meta.get("user_id") if isinstance(meta, dict) else None
-        hint = key if isinstance(key, str) and key else user if isinstance(user, str) and user else None
-    if not hint:
-        hint = next((h[n] for n in SESSION_HEADERS if h.get(n)), None)
+    hint = h.get(AFFINITY_HEADER) or prompt_cache_key or user_id or next((h[n] for n in SESSION_HEADERS if h.get(n)),
+                                                                         None)
     return hashlib.blake2b(hint.encode(), digest_size=12).hexdigest() if hint else None
 
 

@@ -50,6 +50,7 @@ from ladle.entrypoints.openai.field_policy import (
 )
 from ladle.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, clip
 from ladle.entrypoints.openai.serving_engine import client_of, respond
+from ladle.entrypoints.openai.session_routing import session_hint
 
 
 def tool_use_id(call_id: str) -> str:
@@ -73,7 +74,9 @@ class AnthropicServingMessages:
         if effort is not None and "reasoning_effort" not in self.chat.effort_controls:
             taken.append(MESSAGES_EFFORT)  # the template has no control for it (reasoning_effort.py)
         self.ctx.metrics.no_ops("messages", no_ops + taken)
-        prepared = await self.chat.prepare(chat, "msg", client=client_of(raw_request))
+        user = req.metadata.user_id if req.metadata is not None else None
+        prepared = await self.chat.prepare(chat, "msg", client=client_of(raw_request),
+                                           session=session_hint(raw_request.headers, user_id=user))
         omit = req.thinking is not None and req.thinking.display == "omitted"
         return await respond(prepared.stream, self._events(prepared, omit), lambda: self._message(prepared, omit),  # type: ignore[arg-type]
                              req.stream, raw_request)

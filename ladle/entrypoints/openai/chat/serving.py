@@ -39,6 +39,7 @@ from ladle.entrypoints.openai.serving_engine import (
     sse_error,
     with_choices,
 )
+from ladle.entrypoints.openai.session_routing import session_hint
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 from ladle.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallOut
 from ladle.frontend.message_marks import LAST_MESSAGES
@@ -90,7 +91,8 @@ class OpenAIServingChat:
         self.effort_controls = template_controls(ctx.tokenizer, ctx.chat.chat_template)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
-        chat = await self.prepare(req, "chatcmpl", client=client_of(raw_request))
+        chat = await self.prepare(req, "chatcmpl", client=client_of(raw_request),
+                                  session=session_hint(raw_request.headers, req.prompt_cache_key))
         if effort_kwargs(req.reasoning_effort, self.effort_controls)[1]:
             self.ctx.metrics.no_ops("chat_completions", [CHAT_EFFORT])
         stream, plan, thinking = chat.stream, chat.plan, chat.thinking
@@ -101,11 +103,13 @@ class OpenAIServingChat:
                              lambda: self._response(stream, top_n, plan, thinking), bool(req.stream), raw_request)
 
     async def prepare(self, req: ChatCompletionRequest, id_prefix: str, count_only: bool = False,
-                      client: str = "", grammars: Mapping[str, str] | None = None) -> PreparedChat:
+                      client: str = "", grammars: Mapping[str, str] | None = None,
+                      session: str | None = None) -> PreparedChat:
         """Everything a chat request needs before its answer is written (the other APIs that speak chat, the
         Anthropic Messages API, share it): checked, constrained, rendered and, unless count_only, submitted;
         client: the peer, whose turn its grammar compile takes; grammars: the Lark grammars of the functions that
-        stand for custom tools (the Responses API's), by name."""
+        stand for custom tools (the Responses API's), by name; session: the client's session key
+        (session_routing.session_hint), whose next turn the prefix cache keeps this one's prefix for."""
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         self.ctx.check_choices(1, req.n)
@@ -130,7 +134,7 @@ class OpenAIServingChat:
             return PreparedChat(None, plan, thinking, len(ids))
         self.ctx.check_prompt_length(len(ids), "messages")
         self.ctx.check_logprobs(params, [len(ids)], "top_logprobs")
-        stream = self.ctx.stream(f"{id_prefix}-{uuid.uuid4().hex}", [ids], params, marks)
+        stream = self.ctx.stream(f"{id_prefix}-{uuid.uuid4().hex}", [ids], params, marks, session)
         await stream.start()
         self.ctx.accepted(_APIS[id_prefix], params)
         return PreparedChat(stream, plan, thinking, len(ids))

@@ -33,6 +33,7 @@ from ladle.entrypoints.openai.serving_engine import (
     sse_error,
     with_choices,
 )
+from ladle.entrypoints.openai.session_routing import session_hint
 from ladle.entrypoints.openai.structured_request import structured_outputs_of
 
 Prompt = str | list[int]
@@ -97,7 +98,7 @@ class OpenAIServingCompletion:
         for p in ids:
             self.ctx.check_prompt_length(len(p), "prompt")
         self.ctx.check_logprobs(params, [len(p) for p in ids], "logprobs")
-        stream = self.ctx.stream(f"cmpl-{uuid.uuid4().hex}", ids, params)
+        stream = self.ctx.stream(f"cmpl-{uuid.uuid4().hex}", ids, params, session_id=session_hint(raw_request.headers))
         await stream.start()
         self.ctx.accepted("completions", params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -39,6 +39,7 @@ from ladle.entrypoints.openai.responses.tools import (
     responses_tools,
 )
 from ladle.entrypoints.openai.serving_engine import client_of, respond, sse_error
+from ladle.entrypoints.openai.session_routing import session_hint
 
 
 class OpenAIServingResponses:
@@ -55,7 +56,8 @@ class OpenAIServingResponses:
                               code="unsupported_parameter", param="store")
         tools = responses_tools(req.tools)
         prepared = await self.chat.prepare(to_chat(req, tools), "resp", client=client_of(raw_request),
-                                           grammars=tools.grammars)
+                                           grammars=tools.grammars,
+                                           session=session_hint(raw_request.headers, req.prompt_cache_key))
         ignored = [hosted_tool(kind) for kind in sorted(set(tools.hosted))]  # offered, not shown
         if req.reasoning and effort_kwargs(req.reasoning.effort, self.chat.effort_controls)[1]:
             ignored.append(RESPONSES_EFFORT)
