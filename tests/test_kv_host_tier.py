@@ -172,6 +172,8 @@ def test_without_kv_offloading_size_cpu_derives_no_host_tier_and_says_why(tiny_q
     assert (setting.value, setting.source) == ("off", "derived") and "host memory already" in setting.reason
     assert llm.engine.core.kv.host is None
     assert "kv_offloading_size" in llm.config.report()  # `ladle plan` prints this report
+    off = LLM(tiny_qwen3_dir, num_kv_blocks=24, kv_offloading_size="0GiB")
+    assert off.engine.core.kv.host is None and off.config.settings["kv_offloading_size"].source == "explicit"
 
 
 def test_on_cuda_the_host_tier_is_derived_from_the_pool_and_free_host_memory():
@@ -193,6 +195,13 @@ def test_on_cuda_the_host_tier_is_derived_from_the_pool_and_free_host_memory():
     huge, _ = _host_tier(EngineArgs(model="m"), Provenance(frozenset()), layout, True, torch.device("cuda"), 10**15, 0, 64)
     assert huge * layout.block_bytes <= free_memory_bytes(torch.device("cpu")) // 4 + layout.block_bytes
     assert _host_tier(EngineArgs(model="m"), Provenance(frozenset()), layout, False, torch.device("cuda"), 100, 0, 64) == (0, 0)
+    # 0 turns the derived tier off, said as explicit; a negative size is still refused.
+    off = Provenance(frozenset({"kv_offloading_size"}))
+    assert _host_tier(EngineArgs(model="m", kv_offloading_size=0), off, layout, True, torch.device("cuda"), 100, 0,
+                      64) == (0, 0)
+    assert (off.settings["kv_offloading_size"].value, off.settings["kv_offloading_size"].source) == ("off", "explicit")
+    with pytest.raises(ValueError, match="kv_offloading_size: cannot read"):
+        _host_tier(EngineArgs(model="m", kv_offloading_size="-1"), off, layout, True, torch.device("cuda"), 100, 0, 64)
 
 
 @pytest.fixture(scope="module")

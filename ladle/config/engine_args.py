@@ -63,7 +63,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | str | None = flag(None, "KV pool size as bytes or e.g. 2GiB")
     kv_offloading_size: int | str | None = flag(
         None, "host memory for the prefix cache's host tier, as bytes or e.g. 8GiB (vLLM's name): cached blocks "
-        "the device pool evicts move there, and a hit on one is copied back (default: no host tier)")
+        "the device pool evicts move there, and a hit on one is copied back; 0 turns it off (default: on CUDA twice "
+        "the device pool within a quarter of free host memory, on CPU none)")
     kv_disk_cache_dir: str | None = flag(
         None, "directory for the prefix cache's disk tier, below the host tier (needs kv_offloading_size): every "
         "cached block is also written there, so sessions outlive the host tier and restarts (default: no disk tier)")
@@ -178,7 +179,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("kv_cache_memory_bytes", "memory_budget", "kv_offloading_size", "kv_disk_cache_size"):
             if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), name)
+                parse_bytes(getattr(self, name), name, allow_zero=name == "kv_offloading_size")
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("num_kv_blocks and kv_cache_memory_bytes both size the KV pool; give one of them")
         chunk, budget = self.max_prefill_length, self.max_num_batched_tokens

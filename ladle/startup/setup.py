@@ -133,7 +133,7 @@ def _host_tier(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix
     gives it all to blocks); refused where it could hold nothing.
     Without it: on CUDA, twice the device's prefix cache within a quarter of the free host memory (a hit copied
     over PCIe beats recomputing its history); on CPU none, since there the pool is host memory already and a
-    larger pool serves the same hits without the copies."""
+    larger pool serves the same hits without the copies. 0 turns it off."""
     block, checkpoint = layout.block_bytes, layout.checkpoint_bytes(layout.block_size) if num_checkpoints else 0
     device_bytes = num_kv_blocks * block + num_checkpoints * checkpoint
     if args.kv_offloading_size is None:
@@ -149,7 +149,10 @@ def _host_tier(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, prefix
         why = (f"{HOST_TIER_POOL_MULTIPLE}x the device pool, within a quarter of the {format_bytes(free)} free "
                "host memory")
     else:
-        size = parse_bytes(args.kv_offloading_size, "kv_offloading_size")
+        size = parse_bytes(args.kv_offloading_size, "kv_offloading_size", allow_zero=True)
+        if not size:
+            prov.put("kv_offloading_size", "off", "")
+            return 0, 0
         if not prefix_caching:
             raise ValueError("kv_offloading_size keeps the prefix cache's evicted blocks, but enable_prefix_caching "
                              "is off; turn it on or drop kv_offloading_size")
