@@ -76,7 +76,7 @@ def engine_for(model: str, args: argparse.Namespace, tier: str, disk: str | None
         blocks += args.concurrency * -(-(args.one_off_tokens + args.reply) // BLOCK)
     size, *flags = tier.split("+")
     return LLM(model, max_model_len=final + BLOCK, num_kv_blocks=blocks, max_num_seqs=args.concurrency,
-               kv_offloading_size=None if size == "off" else size,
+               kv_offloading_size=0 if size == "off" else size,
                kv_disk_cache_dir=disk if "disk" in flags else None)
 
 

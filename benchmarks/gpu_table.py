@@ -37,6 +37,13 @@ def table(results: dict) -> str:
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: replies equal {v['replies_identical']}, computed x{v['computed_ratio']}, "
                 f"TTFT x{v['ttft_ratio']}" for k, v in res.items() if isinstance(v, dict)]
+        elif name == "host_tier":
+            c, sess = res["copy"], res["sessions"]
+            off, on = (v for k, v in sess.items() if isinstance(v, dict))
+            cells = [f"ok={res['ok']}", f"promote {c['promote_us_per_block']}us/block ({c['promote_gb_s']} GB/s)",
+                     f"demote {c['demote_us_per_block']}us/block ({c['demote_gb_s']} GB/s)",
+                     f"sessions: replies equal {sess['replies_identical']}, computed/new {off['computed_over_new_median']}"
+                     f" -> {on['computed_over_new_median']}, TTFT p50 x{sess['ttft_p50_off_over_on']} lower"]
         elif name == "ops_check":
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"
