@@ -32,6 +32,7 @@ from gpu_engine import decode_batch1, generate, peak, prefill_speed, prompts, se
 from gpu_quant import fp8_check  # noqa: E402
 from gpu_structured import structured_check  # noqa: E402
 from gpu_kernels import decode_graphs, kernel_check, kernel_speed, mixed_graphs, sync  # noqa: E402
+from gpu_gguf import gguf_check  # noqa: E402
 from gpu_host_tier import host_tier_check  # noqa: E402
 from gpu_prefix import prefix_checkpoint_check  # noqa: E402
 from gpu_spec import spec_decode_check  # noqa: E402
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         run.section("prefix_checkpoints", 45, lambda: prefix_checkpoint_check(device, workdir, small=a.dry_run))
         free(device)
         run.section("host_tier", 60, lambda: host_tier_check(device, workdir, small=a.dry_run))
+        free(device)
+        run.section("gguf", 45, lambda: gguf_check(device, workdir, small=a.dry_run))
         free(device)
         if device.type == "cuda":  # tile-tuning data: last, so it only ever takes time nothing else needed
             run.section("kernel_speed", 30, lambda: kernel_speed(device))

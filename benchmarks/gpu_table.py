@@ -44,6 +44,9 @@ def table(results: dict) -> str:
                      f"demote {c['demote_us_per_block']}us/block ({c['demote_gb_s']} GB/s)",
                      f"sessions: replies equal {sess['replies_identical']}, computed/new {off['computed_over_new_median']}"
                      f" -> {on['computed_over_new_median']}, TTFT p50 x{sess['ttft_p50_off_over_on']} lower"]
+        elif name == "gguf":
+            cells = [f"ok={res['ok']}"] + [f"{k}: tokens equal CPU's {v['tokens_identical']}"
+                                           for k, v in res.items() if isinstance(v, dict)]
         elif name == "ops_check":
             cells = [f"ok={res['ok']}"] + [
                 f"{k}: {v.get('bitwise_equal', v.get('matching_prefix'))}"

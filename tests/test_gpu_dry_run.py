@@ -17,7 +17,8 @@ SECTIONS_ON_CPU = {"kernel_check", "ops_check", "fp8_check", "engine_vs_hf", "st
                    "ladle_8b_decode_batch1", "ladle_8b_decode_cuda_graphs", "ladle_8b_mixed_cuda_graphs",
                    "ladle_8b_prefill_chunk64", "ladle_8b_prefill_chunk128", "ladle_8b_prompt_131k",
                    "ladle_8b_offline_1000x1000", "seed_a_14b", "hf_build", "hf_batch1", "hf_batch4", "tensor_parallel",
-                   "expert_tiering", "spec_decode", "prefix_checkpoints", "host_tier"}
+                   "expert_tiering", "spec_decode", "prefix_checkpoints", "host_tier",
+                   "gguf"}
 
 
 def _oks(res: object, where: str) -> list[tuple[str, object]]:
