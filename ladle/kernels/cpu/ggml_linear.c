@@ -397,6 +397,94 @@ INLINE float row_dot1_512_t(const float *xs, const float *xsum, const uint8_t *r
 }
 #endif
 
+#if LADLE_AVX512
+/* A 32-weight block (Q4_0, Q4_1, Q8_0) as two 16-float vectors, weights 0-15 and 16-31, each times the block's d:
+ * what the block adds to a dot is x . (d q), plus Q4_1's m times the x row's sum over the unit (added apart). */
+INLINE void unit512_scaled(const uint8_t *blk, const int type, __m512 *q0, __m512 *q1) {
+    if (type == GGML_Q8_0) {
+        *q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        *q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    } else {
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == GGML_Q4_1 ? 4 : 2)));
+        __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        if (type == GGML_Q4_0) { /* q - 8, exact in int8 */
+            lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+            hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+        }
+        *q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        *q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    }
+    const __m512 d = _mm512_set1_ps(half_at(blk));
+    *q0 = _mm512_mul_ps(*q0, d);
+    *q1 = _mm512_mul_ps(*q1, d);
+}
+
+enum { PAIR_ROWS = 8 }; /* x rows a pass of rows_pair_512 takes: 2 x 8 accumulators, 4 weight and 2 x registers */
+
+/* W rows w0 and w1 against x rows i0 .. i0 + mi (mi <= PAIR_ROWS, a constant where it is inlined): y0[i], y1[i]
+ * their dots. A few decode rows are bound by arithmetic, not by reading W: the rows-at-a-time loop (rows_dot_t)
+ * loads two x vectors for every two multiply-adds and widens each unit once a W row; here each unit is widened and
+ * scaled once for up to eight x rows, and each x load feeds both W rows, so the multiply-adds, not the loads, set
+ * the pace. Sixteen independent accumulators keep both FMA ports busy. */
+INLINE void rows_pair_512(float *y0, float *y1, const float *xs, const float *xsum, const uint8_t *w0,
+                          const uint8_t *w1, int64_t blocks, int64_t k, int64_t i0, const int mi, const int type) {
+    const int bytes = block_bytes(type);
+    __m512 a0[PAIR_ROWS], a1[PAIR_ROWS];
+    float t0[PAIR_ROWS], t1[PAIR_ROWS];
+    for (int i = 0; i < mi; i++) {
+        a0[i] = a1[i] = _mm512_setzero_ps();
+        t0[i] = t1[i] = 0.f;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *b0 = w0 + b * bytes, *b1 = w1 + b * bytes;
+        _mm_prefetch((const char *)b0 + 4 * bytes, _MM_HINT_T0);
+        _mm_prefetch((const char *)b1 + 4 * bytes, _MM_HINT_T0);
+        __m512 p0, p1, q0, q1;
+        unit512_scaled(b0, type, &p0, &p1);
+        unit512_scaled(b1, type, &q0, &q1);
+        for (int i = 0; i < mi; i++) {
+            const float *xb = xs + (i0 + i) * k + b * UNIT;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            a0[i] = _mm512_fmadd_ps(x1, p1, _mm512_fmadd_ps(x0, p0, a0[i]));
+            a1[i] = _mm512_fmadd_ps(x1, q1, _mm512_fmadd_ps(x0, q0, a1[i]));
+        }
+        if (type == GGML_Q4_1) {
+            const float m0 = half_at(b0 + 2), m1 = half_at(b1 + 2);
+            for (int i = 0; i < mi; i++) {
+                const float s = xsum[(i0 + i) * (k / UNIT) + b];
+                t0[i] += m0 * s;
+                t1[i] += m1 * s;
+            }
+        }
+    }
+    for (int i = 0; i < mi; i++) {
+        y0[i] = t0[i] + _mm512_reduce_add_ps(a0[i]);
+        y1[i] = t1[i] + _mm512_reduce_add_ps(a1[i]);
+    }
+}
+
+#define PAIR_MI(T, MI)                                                                                           \
+    case MI: rows_pair_512(y0, y1, xs, xsum, w0, w1, blocks, k, i0, MI, T); break;
+#define PAIR_T(T)                                                                                                \
+    switch (mi) {                                                                                                \
+        PAIR_MI(T, 1) PAIR_MI(T, 2) PAIR_MI(T, 3) PAIR_MI(T, 4) PAIR_MI(T, 5) PAIR_MI(T, 6) PAIR_MI(T, 7)        \
+        default: rows_pair_512(y0, y1, xs, xsum, w0, w1, blocks, k, i0, PAIR_ROWS, T); break;                   \
+    }
+
+/* rows_pair_512 with the type and the row count made constants, so each case gets its own unrolled loop. */
+static void rows_pair(float *y0, float *y1, const float *xs, const float *xsum, const uint8_t *w0, const uint8_t *w1,
+                      int64_t blocks, int64_t k, int64_t i0, int mi, int type) {
+    if (type == GGML_Q4_0) {
+        PAIR_T(GGML_Q4_0)
+    } else if (type == GGML_Q4_1) {
+        PAIR_T(GGML_Q4_1)
+    } else {
+        PAIR_T(GGML_Q8_0)
+    }
+}
+#endif
+
 /* W row `row` against x rows i0 .. i0 + mi: out[i] = their dots. */
 INLINE void rows_dot_t(float *out, const float *xs, const float *xsum, const uint8_t *row, int64_t blocks, int64_t k,
                        int64_t i0, int64_t mi, const int type) {
@@ -477,6 +565,27 @@ int ggml_linear(const void *x, const uint8_t *w, const void *bias, void *y, int6
                               : type == GGML_Q4_1 ? row_dot1_512_t(xs, xsum, row, blocks, GGML_Q4_1)
                                                   : row_dot1_512_t(xs, xsum, row, blocks, GGML_Q8_0);
             put(y, r, dot + (bias == NULL ? 0.f : get(bias, r, is_bf16)), is_bf16);
+        }
+        free(xs);
+        return 0;
+    }
+#endif
+#if LADLE_AVX512
+    if (m > 1 && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0)) {
+        const int64_t pairs = (n + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t r0 = 2 * p, r1 = r0 + 1 < n ? r0 + 1 : r0; /* an odd last row pairs with itself */
+            const float b0 = bias == NULL ? 0.f : get(bias, r0, is_bf16), b1 = bias == NULL ? 0.f : get(bias, r1, is_bf16);
+            for (int64_t i0 = 0; i0 < m; i0 += PAIR_ROWS) {
+                const int mi = (int)(m - i0 < PAIR_ROWS ? m - i0 : PAIR_ROWS);
+                float y0[PAIR_ROWS], y1[PAIR_ROWS];
+                rows_pair(y0, y1, xs, xsum, w + r0 * row_bytes, w + r1 * row_bytes, blocks, k, i0, mi, type);
+                for (int i = 0; i < mi; i++) {
+                    put(y, (i0 + i) * n + r0, y0[i] + b0, is_bf16);
+                    if (r1 != r0) put(y, (i0 + i) * n + r1, y1[i] + b1, is_bf16);
+                }
+            }
         }
         free(xs);
         return 0;
