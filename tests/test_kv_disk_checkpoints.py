@@ -119,9 +119,29 @@ def test_a_new_engine_resumes_every_session_from_disk_with_the_cold_tokens(reque
         snap = again.engine.core.snapshot()
     assert _same(replies, cold[1])
     # Nothing was on the device or in the host tier: every hit came from disk, blocks and checkpoint.
-    assert all(c > 0 for c in cached), cached
+    assert all(c > 0 for c in cached), str(cached)
     assert tier.num_loaded_checkpoints >= 4 and snap.kv_disk_loaded_blocks > tier.num_loaded_checkpoints
     assert snap.kv_disk_misses == 0
+
+
+def test_sessions_the_device_and_the_host_tier_forget_come_back_from_disk(q35_dir, tmp_path):
+    """A pool of 16 blocks with 2 checkpoint slots, a host tier of a few blocks and checkpoints: the sessions'
+    later turns find their prefixes only on disk, within one engine."""
+    cold = _cold(q35_dir, 4, 3, seed=7)
+    small = dict(CHUNKED, num_kv_blocks=16, num_state_checkpoints=2, kv_offloading_size="64KiB")
+    with LLM(q35_dir, **small, kv_disk_cache_dir=str(tmp_path / "kv")) as llm:
+        histories, got, cached = _histories(4, 7), [], []
+        for turn in range(3):
+            replies, hits, histories = _turn(llm, histories, 7 + turn)
+            got.append(replies)
+            if turn:
+                cached += hits
+        tier = llm.engine.core.kv.disk
+        host = llm.engine.core.kv.host_checkpoints
+        assert host is not None and host.num_slots < 4  # (fewer than the sessions)
+    assert all(_same(g, c) for g, c in zip(got, cold))
+    assert tier.num_loaded_checkpoints > 0 and tier.num_misses == 0
+    assert all(c > 0 for c in cached), str(cached)
 
 
 def test_a_damaged_checkpoint_entry_is_a_counted_miss_and_tokens_stay_exact(q35_dir, tmp_path):

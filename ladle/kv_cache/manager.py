@@ -428,6 +428,10 @@ class KVCacheManager:
             for tokens in keys:  # the prefix's nodes, made where missing, each with a reference for us
                 parent = self.tree.extend(parent, tokens)
                 nodes.append(parent)
+            # The hit's blocks the host tier holds already (disk_hits left room for them) stay while the reads fill
+            # other slots, and become the most recently used: least recently used, they would be the first dropped.
+            self.host.hold({s for node in nodes for gi in range(len(self.groups))
+                            if (s := self.host.touch((node, gi))) is not None})
             for read in reads:
                 key = (nodes[read.index], read.group)
                 if read.group == CHECKPOINT:
@@ -444,6 +448,7 @@ class KVCacheManager:
                     fills.append((slot, read.pages))
                     self.disk.num_loaded += 1
                     self.disk.num_loaded_checkpoints += read.group == CHECKPOINT
+            self.host.release()
             for node in nodes:
                 self.tree.unref(node)
 
