@@ -35,6 +35,7 @@ LOGPROB_TOLERANCE = 1e-4
 CHUNKED = dict(max_num_batched_tokens=32, num_kv_blocks=64)
 TIER = dict(CHUNKED, kv_offloading_size="2MiB")
 STATE = ".state.kv"
+SEED = 1
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,12 @@ def dsv4_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("dsv4")
     build(path, 7, **MIXES["small_window"])
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def q35_cold(q35_dir) -> list[Replies]:
+    """Three turns of four sessions with the prefix cache off: what every Qwen3.5 test's turns must give."""
+    return _cold(q35_dir, 4, 3, SEED)
 
 
 def _histories(sessions: int, seed: int) -> list[list[int]]:
@@ -100,21 +107,23 @@ def _state_files(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(STATE))
 
 
-@pytest.mark.parametrize("model", ["qwen3_5", "deepseek_v4"])
+@pytest.mark.parametrize("model", ["qwen3_5", pytest.param("deepseek_v4", marks=pytest.mark.slow)])
 def test_a_new_engine_resumes_every_session_from_disk_with_the_cold_tokens(request, tmp_path, model):
-    path = request.getfixturevalue("q35_dir" if model == "qwen3_5" else "dsv4_dir")
-    cold = _cold(path, 4, 2, seed=1)
+    if model == "qwen3_5":
+        path, cold = request.getfixturevalue("q35_dir"), request.getfixturevalue("q35_cold")
+    else:
+        path = request.getfixturevalue("dsv4_dir")
+        cold = _cold(path, 4, 2, SEED)
     disk = str(tmp_path / "kv")
     with LLM(path, **TIER, kv_disk_cache_dir=disk) as first:
-        histories = _histories(4, 1)
-        replies, _, histories = _turn(first, histories, 1)
+        replies, _, histories = _turn(first, _histories(4, SEED), SEED)
         first.engine.core.model_executor.runner.disk_writer.flush()
         directory = first.config.kv_disk.directory
         assert _state_files(directory), "no checkpoint was written to disk"
         assert first.engine.core.kv.disk.num_stored > len(_state_files(directory))  # blocks too
     assert _same(replies, cold[0])
     with LLM(path, **TIER, kv_disk_cache_dir=disk) as again:
-        replies, cached, _ = _turn(again, histories, 2)
+        replies, cached, _ = _turn(again, histories, SEED + 1)
         tier = again.engine.core.kv.disk
         snap = again.engine.core.snapshot()
     assert _same(replies, cold[1])
@@ -124,15 +133,15 @@ def test_a_new_engine_resumes_every_session_from_disk_with_the_cold_tokens(reque
     assert snap.kv_disk_misses == 0
 
 
-def test_sessions_the_device_and_the_host_tier_forget_come_back_from_disk(q35_dir, tmp_path):
+def test_sessions_the_device_and_the_host_tier_forget_come_back_from_disk(q35_dir, q35_cold, tmp_path):
     """A pool of 16 blocks with 2 checkpoint slots, a host tier of a few blocks and checkpoints: the sessions'
     later turns find their prefixes only on disk, within one engine."""
-    cold = _cold(q35_dir, 4, 3, seed=7)
+    cold = q35_cold
     small = dict(CHUNKED, num_kv_blocks=16, num_state_checkpoints=2, kv_offloading_size="64KiB")
     with LLM(q35_dir, **small, kv_disk_cache_dir=str(tmp_path / "kv")) as llm:
-        histories, got, cached = _histories(4, 7), [], []
+        histories, got, cached = _histories(4, SEED), [], []
         for turn in range(3):
-            replies, hits, histories = _turn(llm, histories, 7 + turn)
+            replies, hits, histories = _turn(llm, histories, SEED + turn)
             got.append(replies)
             if turn:
                 cached += hits
@@ -144,34 +153,34 @@ def test_sessions_the_device_and_the_host_tier_forget_come_back_from_disk(q35_di
     assert all(c > 0 for c in cached), str(cached)
 
 
-def test_a_damaged_checkpoint_entry_is_a_counted_miss_and_tokens_stay_exact(q35_dir, tmp_path):
-    cold = _cold(q35_dir, 3, 2, seed=3)
+def test_a_damaged_checkpoint_entry_is_a_counted_miss_and_tokens_stay_exact(q35_dir, q35_cold, tmp_path):
+    cold = q35_cold
     disk = str(tmp_path / "kv")
     with LLM(q35_dir, **TIER, kv_disk_cache_dir=disk) as first:
-        _, _, histories = _turn(first, _histories(3, 3), 3)
+        _, _, histories = _turn(first, _histories(4, SEED), SEED)
         directory = first.config.kv_disk.directory
     for name in _state_files(directory):  # every checkpoint flipped in its payload; the blocks left whole
         data = bytearray(Path(directory, name).read_bytes())
         data[-9] ^= 0x10
         Path(directory, name).write_bytes(bytes(data))
     with LLM(q35_dir, **TIER, kv_disk_cache_dir=disk) as again:
-        replies, cached, _ = _turn(again, histories, 4)
+        replies, cached, _ = _turn(again, histories, SEED + 1)
         tier = again.engine.core.kv.disk
     assert _same(replies, cold[1])
-    assert tier.num_misses >= 3 and tier.num_loaded_checkpoints == 0
+    assert tier.num_misses >= 4 and tier.num_loaded_checkpoints == 0
     # Blocks without a checkpoint serve no hit of this model: the first session computes all, the others hit only
     # the checkpoint it saved where their shared prefix's 32 tokens end.
-    assert cached == [0, 32, 32]
+    assert cached == [0, 32, 32, 32]
 
 
-def test_checkpoint_entries_keep_to_the_size_and_go_with_reset(q35_dir, tmp_path):
-    cold = _cold(q35_dir, 4, 2, seed=5)
+def test_checkpoint_entries_keep_to_the_size_and_go_with_reset(q35_dir, q35_cold, tmp_path):
+    cold = q35_cold
     disk = str(tmp_path / "kv")
     with LLM(q35_dir, **TIER, kv_disk_cache_dir=disk, kv_disk_cache_size="160KiB") as llm:
-        histories = _histories(4, 5)
+        histories = _histories(4, SEED)
         got = []
         for turn in range(2):
-            replies, _, histories = _turn(llm, histories, 5 + turn)
+            replies, _, histories = _turn(llm, histories, SEED + turn)
             got.append(replies)
         tier = llm.engine.core.kv.disk
         assert tier.num_evicted > 0 and tier.num_bytes <= 160 * 1024
