@@ -59,6 +59,15 @@ def dsv4_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def qwen4_exp_dir(tmp_path_factory) -> str:
+    from test_qwen4_exp import MIXES, _build
+
+    path = tmp_path_factory.mktemp("qwen4_exp")
+    _build(path, 7, **MIXES["gqa"])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def q35_cold(q35_dir) -> list[Replies]:
     """Three turns of four sessions with the prefix cache off: what every Qwen3.5 test's turns must give."""
     return _cold(q35_dir, 4, 3, SEED)
@@ -107,12 +116,15 @@ def _state_files(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(STATE))
 
 
-@pytest.mark.parametrize("model", ["qwen3_5", pytest.param("deepseek_v4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["qwen3_5", pytest.param("deepseek_v4", marks=pytest.mark.slow),
+                                   pytest.param("qwen4_exp", marks=pytest.mark.slow)])
 def test_a_new_engine_resumes_every_session_from_disk_with_the_cold_tokens(request, tmp_path, model):
+    """Qwen3.5: Gated DeltaNet states; DeepSeek-V4: compressor states and compressed groups' tail pages, a sliding
+    window; Qwen4-Exp: Gated DeltaNet and per-layer-embedding states (n-gram ids, int64), indexer keys."""
     if model == "qwen3_5":
         path, cold = request.getfixturevalue("q35_dir"), request.getfixturevalue("q35_cold")
     else:
-        path = request.getfixturevalue("dsv4_dir")
+        path = request.getfixturevalue("dsv4_dir" if model == "deepseek_v4" else "qwen4_exp_dir")
         cold = _cold(path, 4, 2, SEED)
     disk = str(tmp_path / "kv")
     with LLM(path, **TIER, kv_disk_cache_dir=disk) as first:
@@ -198,7 +210,7 @@ def test_checkpoint_entries_keep_to_the_size_and_go_with_reset(q35_dir, q35_cold
 def test_a_checkpoint_entry_reads_back_and_is_never_read_as_a_block(tmp_path):
     identity = "model-a"
     digest = chain_digest(root_digest(identity), (1, 2, 3, 4))
-    rows = [torch.randn(2, 3), torch.randn(4).to(torch.bfloat16)]
+    rows = [torch.randn(2, 3), torch.randn(4).to(torch.bfloat16), torch.arange(5)]  # (int64: Qwen4-Exp's n-grams)
     meta = EntryMeta(identity, CHECKPOINT, digest, root_digest(identity), (1, 2, 3, 4))
     path = str(tmp_path / "e.kv")
     write_entry(path, meta, rows)

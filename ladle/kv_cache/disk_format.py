@@ -39,10 +39,17 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STATE = "state"  # a checkpoint's file name in place of a group
 _LEN = struct.Struct("<I")
+# KV pages' dtypes, and state tensors' (Qwen4-Exp keeps its n-gram token ids, int64, in its state)
 _DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
-                                                 torch.float8_e5m2, torch.uint8, torch.int8)})
+                                                 torch.float8_e5m2, torch.uint8, torch.int8, torch.int32,
+                                                 torch.int64, torch.float64, torch.bool)})
 
 TensorSpec = tuple[str, tuple[int, ...]]  # (dtype name, shape of one block's page)
+
+
+def storable(dtype_name: str) -> bool:
+    """An entry may hold tensors of this dtype (a reader could not type any other)."""
+    return dtype_name in _DTYPES
 
 
 def root_digest(identity: str) -> bytes:

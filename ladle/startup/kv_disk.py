@@ -22,7 +22,7 @@ import torch
 from ladle.config.engine_args import EngineArgs
 from ladle.config.provenance import Provenance
 from ladle.config.sizes import format_bytes, parse_bytes
-from ladle.kv_cache.disk_format import TensorSpec
+from ladle.kv_cache.disk_format import TensorSpec, storable
 from ladle.kv_cache.specs import KVCacheLayout
 
 SAMPLE_BYTES = 64 * 1024
@@ -131,6 +131,10 @@ def resolve_kv_disk(args: EngineArgs, prov: Provenance, layout: KVCacheLayout, d
     specs = page_specs(layout)
     config = KVDiskConfig(os.path.join(root, identity[:32]), identity, capacity, specs,
                           checkpoint_specs(layout) if checkpointing else ())
+    unknown = sorted({d for d, _ in (*config.specs, *config.checkpoint_specs) if not storable(d)})
+    if unknown:  # every entry would be a miss
+        raise ValueError(f"kv_disk_cache_dir: the disk tier cannot keep this model's {', '.join(unknown)} tensors yet; "
+                         "drop kv_disk_cache_dir")
     if capacity < max(config.entry_bytes, config.checkpoint_entry_bytes):
         raise ValueError(f"kv_disk_cache_size={format_bytes(capacity)} holds no block of this model "
                          f"({format_bytes(config.entry_bytes)} each"
