@@ -261,14 +261,3 @@ def test_a_disk_tier_that_cannot_work_is_refused_by_name(tiny_qwen3_dir, tmp_pat
     with pytest.raises(ValueError, match=message):
         LLM(tiny_qwen3_dir, num_kv_blocks=24, **bad)
 
-
-def test_a_model_whose_hits_need_state_checkpoints_is_refused(tmp_path):
-    from ladle.demo import build_checkpoint
-
-    path = build_checkpoint(tmp_path / "q35", "qwen3_5", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                            linear_value_head_dim=16, max_position_embeddings=4096,
-                            layer_types=["linear_attention", "full_attention"], seed=6)
-    with pytest.raises(ValueError, match="state checkpoints"):
-        LLM(path, num_kv_blocks=24, kv_offloading_size="1MiB", kv_disk_cache_dir=str(tmp_path / "kv"))

@@ -67,7 +67,8 @@ class EngineArgs:
         "the device pool within a quarter of free host memory, on CPU none)")
     kv_disk_cache_dir: str | None = flag(
         None, "directory for the prefix cache's disk tier, below the host tier (needs kv_offloading_size): every "
-        "cached block is also written there, so sessions outlive the host tier and restarts (default: no disk tier)")
+        "cached block and state checkpoint is also written there, so sessions outlive the host tier and restarts "
+        "(default: no disk tier)")
     kv_disk_cache_size: int | str | None = flag(
         None, "bytes the disk tier may use, e.g. 50GiB (default: a tenth of the free space in kv_disk_cache_dir)")
     memory_budget: int | str | None = flag(None, "cap on all ladle may use, e.g. 8GiB (default: measured)")

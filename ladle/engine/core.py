@@ -61,11 +61,11 @@ def eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
 
 def disk_tier(cfg: EngineConfig) -> DiskTier | None:
     """The prefix cache's disk tier the startup configured (None: none)."""
-    disk, layout = cfg.kv_disk, cfg.kv_layout
-    if disk is None or layout is None:
+    disk = cfg.kv_disk
+    if disk is None:
         return None
-    return DiskTier(disk.directory, disk.identity, disk.capacity_bytes, disk.specs, disk.entry_bytes,
-                    len(layout.groups), cfg.block_size)
+    return DiskTier(disk.directory, disk.identity, disk.capacity_bytes, disk.specs, disk.entry_bytes, cfg.block_size,
+                    disk.checkpoint_specs, disk.checkpoint_entry_bytes)
 
 
 class EngineCore:

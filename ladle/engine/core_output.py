@@ -62,8 +62,8 @@ class EngineSnapshot:
     kv_offload_promoted_blocks: int = 0
     kv_offload_promoted_bytes: int = 0
     kv_offload_dropped_blocks: int = 0
-    # The disk tier below it (kv_disk_cache_dir): blocks written, read back for hits, read and refused by a check
-    # (torn, stale, foreign: computed instead), deleted past kv_disk_cache_size.
+    # The disk tier below it (kv_disk_cache_dir): entries (blocks and state checkpoints) written, read back for hits,
+    # read and refused by a check (torn, stale, foreign: computed instead), deleted past kv_disk_cache_size.
     kv_disk_stored_blocks: int = 0
     kv_disk_loaded_blocks: int = 0
     kv_disk_misses: int = 0

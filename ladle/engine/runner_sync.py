@@ -31,7 +31,7 @@ class RunnerSync:
         request meanwhile and the last step's blocks reach the disk without waiting for another step."""
         update, self._removed = StateUpdate(removed=self._removed), []
         if kv.disk is not None:
-            update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
+            update.kv_fills, update.checkpoint_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
         if kv.host_checkpoints is not None:
             update.checkpoint_saves, update.checkpoint_loads = kv.host_checkpoints.take_transfers()
         return update
@@ -66,7 +66,7 @@ class RunnerSync:
         if kv.host is not None:
             update.kv_saves, update.kv_loads = kv.host.take_transfers()
         if kv.disk is not None:
-            update.kv_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
+            update.kv_fills, update.checkpoint_fills, update.kv_stores, update.kv_unlinks = kv.disk.take()
         if kv.host_checkpoints is not None:
             update.checkpoint_saves, update.checkpoint_loads = kv.host_checkpoints.take_transfers()
         return update

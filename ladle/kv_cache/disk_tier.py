@@ -1,16 +1,22 @@
-"""The prefix cache's disk tier, below the host tier (ladle.kv_cache.host_tier): every block the prefix cache
-registers is also written to a local directory (write-through, by the runner's writer thread: the engine loop
-never waits on a disk write), so a session's blocks outlive the device pool, the host tier, kill -9 and a
-restart. A request whose prefix continues on disk past what the device and host hold is passed over, keeping its
-place, while its blocks are read (on a reader thread: the engine loop never waits on a disk read while it has
-other work) and checked (ladle.kv_cache.disk_format); each verified block then fills a host slot, from which
-admission promotes it like any host hit. A file that fails a check is a counted miss, and the block is computed.
+"""The prefix cache's disk tier, below the host tier (ladle.kv_cache.host_tier): every block and every state
+checkpoint the prefix cache registers is also written to a local directory (write-through, by the runner's writer
+thread: the engine loop never waits on a disk write), so a session's prefix outlives the device pool, the host
+tier, kill -9 and a restart. A request whose prefix continues on disk past what the device and host hold is passed
+over, keeping its place, while what its deepest hit needs is read (ladle.kv_cache.disk_hits; on a reader thread:
+the engine loop never waits on a disk read while it has other work) and checked (ladle.kv_cache.disk_format);
+each verified block then fills a host slot, and a checkpoint a slot of the host tier's checkpoints, from which
+admission promotes them like any host hit. A file that fails a check is a counted miss, and what it held is
+computed.
+
+A model with per-request state (Gated DeltaNet, DeepSeek-V4's compressors and compressed groups) can resume only
+where a state checkpoint is, so its checkpoints go to disk too: without them its blocks on disk could serve no hit.
 
 Only ids and bookkeeping live here; the pages a read returns travel to the runner with the step's StateUpdate
-(fills: host slot <- pages), and the writes and deletions travel there too (stores: device block -> file;
-unlinks), applied in order on the runner's writer thread. The index (which entries exist, least recently used
-first) is built at startup from the directory, so a restarted engine hits on what the last one wrote; it counts
-bytes against kv_disk_cache_size and deletes the least recently used entries past it.
+(fills: host slot <- pages, for blocks and for checkpoints), and the writes and deletions travel there too
+(stores: device block or checkpoint row -> file; unlinks), applied in order on the runner's writer thread. The
+index (which entries exist, of either kind, least recently used first) is built at startup from the directory, so a
+restarted engine hits on what the last one wrote; it counts bytes against kv_disk_cache_size and deletes the least
+recently used entries past it.
 """
 from __future__ import annotations
 
@@ -36,57 +42,66 @@ from ladle.kv_cache.disk_format import (
     read_entry,
     root_digest,
 )
+from ladle.kv_cache.host_tier import CHECKPOINT
 
 if TYPE_CHECKING:
     from ladle.request import Request
 
 logger = logging.getLogger("ladle.kv_cache")
-EntryKey = tuple[bytes, int]  # (chain digest, KV cache group)
+EntryKey = tuple[bytes, int]  # (chain digest, KV cache group or CHECKPOINT)
+Fill = tuple[int, list[torch.Tensor]]  # (host slot, pages read)
 
 
 @dataclass(frozen=True)
 class DiskStore:
-    """A registered device block to write to disk (the runner copies it before the step's forward)."""
+    """A registered device block or state checkpoint to write to disk (the runner copies it before the step's
+    forward, before anything may overwrite it)."""
 
-    block: int
+    block: int  # a device block, or a checkpoint's row in the state tensors (meta.group CHECKPOINT)
     name: str
     meta: EntryMeta
 
 
 @dataclass(frozen=True)
 class DiskRead:
-    """A finished read of one block for a request: its pages, or None with the reason it cannot serve."""
+    """A finished read of one entry for a request: its pages, or None with the reason it cannot serve."""
 
     request: Request
-    index: int  # the block's index in the request
-    group: int
+    index: int  # the index of the token block whose prefix node the entry is registered under
+    group: int  # a KV cache group, or CHECKPOINT
     pages: list[torch.Tensor] | None
     reason: str = ""
 
 
 class DiskTier:
     def __init__(self, directory: str, identity: str, capacity_bytes: int, specs: Sequence[TensorSpec],
-                 entry_bytes: int, num_groups: int, block_size: int) -> None:
+                 entry_bytes: int, block_size: int, checkpoint_specs: Sequence[TensorSpec] = (),
+                 checkpoint_bytes: int = 0) -> None:
         """directory: this model's entries (one directory per model identity). specs: one block's page of each
-        pool tensor, which every entry must hold. entry_bytes: a file's size before its header."""
+        pool tensor, which every block entry must hold; checkpoint_specs: a checkpoint's row of each state and tail
+        tensor, which every checkpoint entry must hold. entry_bytes, checkpoint_bytes: a file's size before its
+        header."""
         self.directory = directory
         self.identity = identity
         self.capacity_bytes = capacity_bytes
         self.specs = tuple(specs)
+        self.checkpoint_specs = tuple(checkpoint_specs)
         self.entry_bytes = entry_bytes
-        self.num_groups = num_groups
+        self.checkpoint_bytes = checkpoint_bytes
         self.block_size = block_size
         self.root = root_digest(identity)
         self.index: OrderedDict[EntryKey, int] = OrderedDict()  # entry -> file bytes, least recently used first
         self.num_bytes = 0
         self.stores: list[DiskStore] = []
         self.unlinks: list[str] = []
-        self.fills: list[tuple[int, list[torch.Tensor]]] = []  # (host slot, pages), for the runner
+        self.fills: list[Fill] = []  # blocks, for the runner
+        self.checkpoint_fills: list[Fill] = []  # state checkpoints (slots of the host tier's checkpoints)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ladle-kv-disk-read")
         self._reads: dict[str, list[Future[DiskRead]]] = {}  # per request: its reads in flight
         self._done = threading.Event()  # set by a finished read, so an idle engine wakes for it
         self.fetched: set[str] = set()  # requests that read from disk once (never twice in a life)
-        self.num_stored = self.num_loaded = self.num_misses = self.num_evicted = 0
+        # entries of either kind; num_loaded_checkpoints: of num_loaded, the state checkpoints
+        self.num_stored = self.num_loaded = self.num_misses = self.num_evicted = self.num_loaded_checkpoints = 0
         os.makedirs(directory, exist_ok=True)
         self._scan()
 
@@ -125,14 +140,16 @@ class DiskTier:
                          request.block_tokens[index].token_ids)
 
     def store(self, request: Request, index: int, group: int, block: int) -> None:
-        """The prefix cache registered the request's index-th block of `group` in device block `block`: write
-        it unless an entry has it already (then it is just the most recently used)."""
+        """The prefix cache registered, under the node of the request's index-th token block, a block of `group`
+        in device block `block` (or, group CHECKPOINT, a state checkpoint in row `block`): write it unless an
+        entry has it already (then it is just the most recently used)."""
         key = (request.block_digests[index], group)
         if key in self.index:
             self.index.move_to_end(key)
             return
         meta = self._meta(request, index, group)
-        size = self.entry_bytes + len(meta.tokens) * 8  # about what its header adds
+        payload = self.checkpoint_bytes if group == CHECKPOINT else self.entry_bytes
+        size = payload + len(meta.tokens) * 8  # about what its header adds
         self.index[key] = size
         self.num_bytes += size
         self.stores.append(DiskStore(block, entry_name(*key), meta))
@@ -146,31 +163,26 @@ class DiskTier:
             self.unlinks.append(entry_name(*key))
             self.num_evicted += 1
 
-    def on_disk(self, request: Request, first: int, last: int) -> int:
-        """How many of the request's blocks first, first + 1, ... (before `last`) every group has on disk."""
-        digests = self.digests(request, last)
-        n = 0
-        for i in range(first, last):
-            if any((digests[i], g) not in self.index for g in range(self.num_groups)):
-                break
-            n += 1
-        return n
+    def has(self, request: Request, index: int, group: int) -> bool:
+        """An entry of `group` (or CHECKPOINT) under the node of the request's index-th token block is on disk
+        (digests() made its digest)."""
+        return (request.block_digests[index], group) in self.index
 
-    def read(self, request: Request, first: int, count: int) -> None:
-        """Start reading the request's blocks first .. first + count - 1, every group's."""
+    def read(self, request: Request, entries: Sequence[tuple[int, int]]) -> None:
+        """Start reading these entries of the request: (token block index, group or CHECKPOINT) each."""
         self.fetched.add(request.request_id)
         futures = []
-        for i in range(first, first + count):
-            for g in range(self.num_groups):
-                self.index.move_to_end((request.block_digests[i], g))
-                futures.append(self._reader.submit(self._read_one, request, i, g))
+        for index, group in entries:
+            self.index.move_to_end((request.block_digests[index], group))
+            futures.append(self._reader.submit(self._read_one, request, index, group))
         self._reads[request.request_id] = futures
 
     def _read_one(self, request: Request, index: int, group: int) -> DiskRead:
         meta = self._meta(request, index, group)
         path = os.path.join(self.directory, entry_name(meta.digest, group))
+        specs = self.checkpoint_specs if group == CHECKPOINT else self.specs
         try:
-            return DiskRead(request, index, group, read_entry(path, meta, self.specs))
+            return DiskRead(request, index, group, read_entry(path, meta, specs))
         except (OSError, EntryMismatch) as e:
             return DiskRead(request, index, group, None, str(e) or type(e).__name__)
         finally:
@@ -214,10 +226,10 @@ class DiskTier:
     def forget(self, request_id: str) -> None:
         self.fetched.discard(request_id)
 
-    def take(self) -> tuple[list[tuple[int, list[torch.Tensor]]], list[DiskStore], list[str]]:
-        """What the runner owes the tier since the last call: (fills, stores, unlinks)."""
-        out = (self.fills, self.stores, self.unlinks)
-        self.fills, self.stores, self.unlinks = [], [], []
+    def take(self) -> tuple[list[Fill], list[Fill], list[DiskStore], list[str]]:
+        """What the runner owes the tier since the last call: (fills, checkpoint fills, stores, unlinks)."""
+        out = (self.fills, self.checkpoint_fills, self.stores, self.unlinks)
+        self.fills, self.checkpoint_fills, self.stores, self.unlinks = [], [], [], []
         return out
 
     def shutdown(self) -> None:

@@ -53,6 +53,13 @@ class HostTier:
     def lookup(self, key: BlockKey) -> int | None:
         return self.entries.get(key)
 
+    def touch(self, key: BlockKey) -> int | None:
+        """lookup(), and the entry (if any) becomes the most recently used."""
+        slot = self.entries.get(key)
+        if slot is not None:
+            self.entries.move_to_end(key)
+        return slot
+
     def demote(self, key: BlockKey, block: int) -> bool:
         """The pool evicts block, cached under key: keep its contents. True when a new entry took the block's
         reference on the node; False when the tier already held the key, or every slot is being loaded from

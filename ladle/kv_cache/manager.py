@@ -16,8 +16,9 @@ Invariants:
   its complete blocks, and a model with per-request state (or compressed groups, whose last partial block is
   in the checkpoint) with a state checkpoint there. Blocks and checkpoints are registered under prefix nodes
   (ladle.kv_cache.prefix_tree), so each is found without the others.
-- With a disk tier (ladle.kv_cache.disk_tier), every block registered is also written to disk, and a prefix that
-  continues on disk past the device and host tiers is read back into host slots before its request is admitted.
+- With a disk tier (ladle.kv_cache.disk_tier), every block and checkpoint registered is also written to disk, and
+  a prefix that continues on disk past the device and host tiers is read back into host slots (what its deepest
+  hit needs: ladle.kv_cache.disk_hits) before its request is admitted.
 - A request that names its session (Request.session_id) leaves its prefix nodes and its deepest checkpoint kept
   for that session when it ends (ladle.kv_cache.session_retention): blocks and host entries under those nodes,
   and that checkpoint, are evicted after every other. Keeping reorders eviction only.
@@ -32,10 +33,11 @@ from typing import TYPE_CHECKING
 
 from ladle.kv_cache.block_pool import BlockKey, BlockPool
 from ladle.kv_cache.checkpoint_windows import CheckpointWindows, window_blocks
+from ladle.kv_cache.disk_hits import disk_reads
 from ladle.kv_cache.disk_tier import DiskRead, DiskTier
 from ladle.kv_cache.group_tables import GroupTables
 from ladle.kv_cache.host_tier import CHECKPOINT, HostTier
-from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, find_hit, host_slot
+from ladle.kv_cache.prefix_hits import NULL_BLOCK, PrefixHit, block_entry, checkpoint_entry, find_hit, host_slot
 from ladle.kv_cache.prefix_tree import ROOT, BlockTokens, PrefixTree
 from ladle.kv_cache.session_retention import SESSION_TTL_S, SessionRetention
 from ladle.kv_cache.specs import KVCacheGroup, blocks_held, paged_group
@@ -59,9 +61,9 @@ class KVCacheManager:
         when freed. num_checkpoints: state checkpoints, in the state tensors' rows after those slots
         (checkpoint_bytes each); prefix caching needs them for a model with state layers or compressed groups.
         host_slots: blocks of the prefix cache's host tier (ladle.kv_cache.host_tier; 0: none). disk: the tier
-        below it (its reads fill host slots, so it needs one). host_checkpoints: the host tier's state
-        checkpoints (a HostTier of their own; 0: none). session_ttl_s: how long a session's prefix stays kept after
-        its last request ended."""
+        below it (its reads fill host slots, so it needs one, and checkpoint slots where hits need checkpoints).
+        host_checkpoints: the host tier's state checkpoints (a HostTier of their own; 0: none). session_ttl_s: how
+        long a session's prefix stays kept after its last request ended."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tree = PrefixTree()
@@ -90,6 +92,8 @@ class KVCacheManager:
                                             checkpoint_bytes, self._checkpoint_gone, self.sessions.kept_checkpoint)
         self.host_checkpoints = (HostTier(host_checkpoints, self.tree.unref, self.sessions.kept_checkpoint)
                                  if self.checkpointing and host_checkpoints else None)
+        if disk is not None and self.checkpointing and self.host_checkpoints is None:
+            raise ValueError("the KV disk tier reads state checkpoints into the host tier's: it needs host_checkpoints")
         self.chains: dict[str, list[int]] = {}  # per request: the prefix nodes of its registered full blocks
         self.pending: dict[str, CheckpointCopy] = {}  # per request: the checkpoint its running chunk will save
         self.restores: dict[str, CheckpointCopy] = {}  # per admitted request: the checkpoint it resumes from
@@ -357,7 +361,7 @@ class KVCacheManager:
                     if self.pool.cache_block(table[i], (node, gi)):
                         self.tree.ref(node)
                         if disk is not None:
-                            disk.store(request, i, gi, table[i])
+                            disk.store(request, (i + 1) * per - 1, gi, table[i])
             g.num_cached_block[rid] = stop
         saved = self.pending.get(rid)
         if saved is not None and num_computed_tokens >= saved.position:
@@ -368,11 +372,16 @@ class KVCacheManager:
                 self.windows.add(node, window_blocks(self.groups, self.pool, chain, saved.position, size))
             elif num_computed_tokens != saved.position:
                 self.checkpoints.release(saved.checkpoint)
+            if disk is not None and num_computed_tokens == saved.position:
+                # Its row holds the state until a later step's copies: the runner copies it out before any (even
+                # when the node had a checkpoint already and the row went back, as the disk may have lost that one).
+                disk.store(request, saved.position // size - 1, CHECKPOINT, saved.checkpoint)
 
     def fetch_from_disk(self, request: Request, hit: PrefixHit) -> bool:
-        """True while the request waits for its prefix's blocks from the disk tier: they start to be read now
-        when they continue past `hit` (once in the request's life, and no more blocks than the host tier
-        holds, so a fetch never evicts its own blocks). The scheduler passes it over meanwhile."""
+        """True while the request waits for its prefix from the disk tier: what the deepest hit the tiers together
+        serve needs from disk (its blocks, and its checkpoint where hits need one) starts to be read now when
+        that hit lies past `hit` (once in the request's life, and no more blocks than the host tier holds, so a
+        fetch never evicts its own blocks: ladle.kv_cache.disk_hits). The scheduler passes it over meanwhile."""
         disk = self.disk
         if disk is None or request.skip_reading_prefix_cache:
             return False
@@ -381,18 +390,30 @@ class KVCacheManager:
             return True
         if rid in disk.fetched:
             return False
-        assert self.host is not None  # a disk tier comes with a host tier
-        first, last = hit.num_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
-        self._block_tokens(request, last)
-        count = min(disk.on_disk(request, first, last), self.host.num_slots // len(self.groups))
-        if count <= 0:
+        host = self.host
+        assert host is not None  # a disk tier comes with a host tier
+        last = (request.num_tokens - 1) // self.block_size  # a hit stops before the last token
+        nodes = self.tree.walk(self._block_tokens(request, last))
+        disk.digests(request, last)
+
+        def lookup(j: int, gi: int) -> int | None:
+            return block_entry((nodes[j], gi), self.pool, host) if j < len(nodes) else None
+
+        def checkpoint(j: int) -> int | None:
+            return (checkpoint_entry(nodes[j], self.checkpoints, self.host_checkpoints) if j < len(nodes)
+                    else None)
+
+        reads = disk_reads(hit.num_tokens // self.block_size, last, self.groups, self.block_size, lookup,
+                           checkpoint if self.checkpointing else None,
+                           lambda j, group: disk.has(request, j, group), host.num_slots)
+        if not reads:
             return False
-        disk.read(request, first, count)
+        disk.read(request, reads)
         return True
 
     def poll_disk(self) -> None:
-        """Blocks the disk tier has read and checked become host-tier entries (their pages go to the runner);
-        their requests stop waiting."""
+        """Blocks and checkpoints the disk tier has read and checked become host-tier entries (their pages go to
+        the runner); their requests stop waiting."""
         if self.disk is None:
             return
         by_request: dict[str, list[DiskRead]] = {}
@@ -407,16 +428,27 @@ class KVCacheManager:
             for tokens in keys:  # the prefix's nodes, made where missing, each with a reference for us
                 parent = self.tree.extend(parent, tokens)
                 nodes.append(parent)
+            # The hit's blocks the host tier holds already (disk_hits left room for them) stay while the reads fill
+            # other slots, and become the most recently used: least recently used, they would be the first dropped.
+            self.host.hold({s for node in nodes for gi in range(len(self.groups))
+                            if (s := self.host.touch((node, gi))) is not None})
             for read in reads:
                 key = (nodes[read.index], read.group)
-                if self.pool.get_cached_block(key) is not None or key in self.host:
+                if read.group == CHECKPOINT:
+                    tier, fills, held = self.host_checkpoints, self.disk.checkpoint_fills, self.checkpoints.has(key[0])
+                else:
+                    tier, fills, held = self.host, self.disk.fills, self.pool.get_cached_block(key) is not None
+                assert tier is not None  # (a checkpoint is read only where the host tier keeps checkpoints)
+                if held or key in tier:
                     continue
-                slot = self.host.fill(key)
+                slot = tier.fill(key)
                 if slot is not None:
                     assert read.pages is not None  # (only the reads that passed their checks are here)
                     self.tree.ref(key[0])  # the entry's
-                    self.disk.fills.append((slot, read.pages))
+                    fills.append((slot, read.pages))
                     self.disk.num_loaded += 1
+                    self.disk.num_loaded_checkpoints += read.group == CHECKPOINT
+            self.host.release()
             for node in nodes:
                 self.tree.unref(node)
 

@@ -10,14 +10,14 @@ What a hit at position P (k full blocks) needs, per kind:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
 from ladle.kv_cache.host_tier import CHECKPOINT
 
 if TYPE_CHECKING:
-    from ladle.kv_cache.block_pool import BlockPool
+    from ladle.kv_cache.block_pool import BlockKey, BlockPool
     from ladle.kv_cache.group_tables import GroupTables
     from ladle.kv_cache.host_tier import HostTier
     from ladle.kv_cache.state_checkpoints import StateCheckpoints
@@ -50,40 +50,66 @@ def find_hit(nodes: list[int], groups: Sequence[GroupTables], pool: BlockPool, b
     hit also needs a state checkpoint (None: it does not). host, host_checkpoints: the tier that serves the
     blocks and checkpoints the device lost."""
 
-    def lookup(key: tuple[int, int]) -> int | None:
-        block = pool.get_cached_block(key)
-        if block is None and host is not None:
-            slot = host.lookup(key)
-            return None if slot is None else host_entry(slot)
-        return block
+    def lookup(j: int, gi: int) -> int | None:
+        return block_entry((nodes[j], gi), pool, host)
 
+    def checkpoint(j: int) -> int | None:
+        assert checkpoints is not None
+        return checkpoint_entry(nodes[j], checkpoints, host_checkpoints)
+
+    for k, blocks, found in servable(len(nodes), groups, block_size, lookup,
+                                     checkpoint if checkpoints is not None else None):
+        return PrefixHit(blocks, k * block_size, tuple(nodes[:k]), found)
+    return PrefixHit(tuple([] for _ in groups), 0)
+
+
+def block_entry(key: BlockKey, pool: BlockPool, host: HostTier | None) -> int | None:
+    """A hit's table entry for the block cached under key: a device block, a host entry, or None (neither)."""
+    block = pool.get_cached_block(key)
+    if block is None and host is not None:
+        slot = host.lookup(key)
+        return None if slot is None else host_entry(slot)
+    return block
+
+
+def checkpoint_entry(node: int, checkpoints: StateCheckpoints, host_checkpoints: HostTier | None) -> int | None:
+    """A hit's entry for node's state checkpoint: its device row, a host entry, or None (neither)."""
+    slot = checkpoints.get(node) if checkpoints.has(node) else None
+    if slot is None and host_checkpoints is not None:
+        held = host_checkpoints.lookup((node, CHECKPOINT))
+        slot = None if held is None else host_entry(held)
+    return slot
+
+
+def servable(num_blocks: int, groups: Sequence[GroupTables], block_size: int,
+             lookup: Callable[[int, int], int | None],
+             checkpoint: Callable[[int], int | None] | None) -> Iterator[tuple[int, tuple[list[int], ...], int]]:
+    """The hits a prefix of num_blocks full blocks can serve, deepest first: (blocks k, each group's table
+    entries, the checkpoint's entry or -1). lookup(j, group): the entry of the group's block registered under
+    node j (the j-th token block), None if no tier has it; checkpoint(j): the entry of the checkpoint at node j,
+    None if none (checkpoint None: a hit needs no checkpoint). The disk tier asks the same question with its
+    own lookups (ladle.kv_cache.disk_hits), so it reads exactly what a hit needs."""
     cached: list[list[int | None]] = []
     for gi, g in enumerate(groups):
         per = g.tokens_per_block // block_size
-        cached.append([lookup((nodes[(j + 1) * per - 1], gi))
-                       for j in range(len(nodes) * block_size // g.tokens_per_block)])
+        cached.append([lookup((j + 1) * per - 1, gi) for j in range(num_blocks * block_size // g.tokens_per_block)])
     # Leading cached blocks per group, and for sliding groups the misses before each block (O(1) range checks).
     leading = [next((j for j, b in enumerate(c) if b is None), len(c)) for c in cached]
     misses = [[0, *accumulate(b is None for b in c)] for c in cached]
-    top = len(nodes)
+    top = num_blocks
     for g, lead in zip(groups, leading):
         if g.window is None and g.compression == (1, 1):
             top = min(top, lead)
     for k in range(top, 0, -1):
-        pos = k * block_size
-        checkpoint = -1
-        if checkpoints is not None:
-            slot = checkpoints.get(nodes[k - 1]) if checkpoints.has(nodes[k - 1]) else None
-            if slot is None and host_checkpoints is not None:
-                held = host_checkpoints.lookup((nodes[k - 1], CHECKPOINT))
-                slot = None if held is None else host_entry(held)
-            if slot is None:
+        found = -1
+        if checkpoint is not None:
+            entry = checkpoint(k - 1)
+            if entry is None:
                 continue
-            checkpoint = slot
-        blocks = _served(groups, cached, leading, misses, pos, k, block_size)
+            found = entry
+        blocks = _served(groups, cached, leading, misses, k * block_size, k, block_size)
         if blocks is not None:
-            return PrefixHit(blocks, pos, tuple(nodes[:k]), checkpoint)
-    return PrefixHit(tuple([] for _ in groups), 0)
+            yield k, blocks, found
 
 
 def _served(groups: Sequence[GroupTables], cached: list[list[int | None]], leading: list[int],

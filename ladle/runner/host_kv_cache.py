@@ -56,19 +56,29 @@ class HostCheckpointCache:
         pin = any(t.is_cuda for t in self.device)
         self.host = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in self.device]
 
-    def _row(self, i: int, row: int) -> int:
-        return row if i < self.num_state else row - self.first_checkpoint
+    def rows(self, row: int) -> list[torch.Tensor]:
+        """The device checkpoint row's views, one per state and tail tensor, in the host slots' order (the disk
+        tier's checkpoint entries hold them so)."""
+        return [t[row if i < self.num_state else row - self.first_checkpoint] for i, t in enumerate(self.device)]
 
     @torch.no_grad()
     def save(self, copies: list[tuple[int, int]]) -> None:
         """(device checkpoint row, host slot) pairs, in order (a slot saved twice keeps the later)."""
-        for i, (t, h) in enumerate(zip(self.device, self.host)):
-            for row, slot in copies:
-                h[slot].copy_(t[self._row(i, row)])
+        for row, slot in copies:
+            for h, t in zip(self.host, self.rows(row)):
+                h[slot].copy_(t)
 
     @torch.no_grad()
     def load(self, copies: list[tuple[int, int]]) -> None:
         """(host slot, device checkpoint row) pairs."""
-        for i, (t, h) in enumerate(zip(self.device, self.host)):
-            for slot, row in copies:
-                t[self._row(i, row)].copy_(h[slot])
+        for slot, row in copies:
+            for h, t in zip(self.host, self.rows(row)):
+                t.copy_(h[slot])
+
+    @torch.no_grad()
+    def fill(self, fills: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """(host slot, pages) read from the disk tier: a checkpoint's row of every state and tail tensor, checked
+        against their dtypes and shapes when it was read (ladle.kv_cache.disk_format)."""
+        for slot, pages in fills:
+            for h, page in zip(self.host, pages, strict=True):
+                h[slot].copy_(page)

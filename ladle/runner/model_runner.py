@@ -144,8 +144,8 @@ class ModelRunner:
         """Take the engine's news of its requests (ladle.runner.runner_requests); a request resuming from a
         state checkpoint gets its state back before any step runs it; the host tier's copies run first, blocks
         saved out before loaded in (a block can be both, for an entry evicted and another promoted into it). The
-        disk tier's come before them: the blocks it stores are copied out before any is overwritten, and the
-        pages it read fill their host slots before a load reads them."""
+        disk tier's come before them: the blocks and checkpoint rows it stores are copied out before any is
+        overwritten, and the pages it read fill their host slots before a load reads them."""
         if update.kv_stores or update.kv_unlinks:
             assert self.disk_writer is not None  # the engine has a disk tier only where the runner was given one
             self.disk_writer.store(update.kv_stores)
@@ -158,8 +158,9 @@ class ModelRunner:
                 self.host_kv.save(update.kv_saves)
             if update.kv_loads:
                 self.host_kv.load(update.kv_loads)
-        if update.checkpoint_saves or update.checkpoint_loads:
+        if update.checkpoint_saves or update.checkpoint_loads or update.checkpoint_fills:
             assert self.host_checkpoints is not None  # given where the engine has a host checkpoint tier
+            self.host_checkpoints.fill(update.checkpoint_fills)
             self.host_checkpoints.save(update.checkpoint_saves)
             self.host_checkpoints.load(update.checkpoint_loads)
         self.requests.apply(update)

@@ -87,12 +87,14 @@ class StateUpdate:
     # slot, device block) copies in, both before the step's forward.
     kv_saves: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
-    # The disk tier below it (ladle.kv_cache.disk_tier): registered device blocks to write out (copied before the
-    # forward, and before the host tier's copies), files to delete, and (host slot, pages) read from disk, written
-    # into their slots before the saves.
+    # The disk tier below it (ladle.kv_cache.disk_tier): registered device blocks and checkpoint rows to write out
+    # (copied before the forward, and before the host tier's copies), files to delete, and (host slot, pages) read
+    # from disk, written into their slots before the saves (blocks into the host tier's, checkpoints into its
+    # checkpoints').
     kv_stores: list[DiskStore] = field(default_factory=list)
     kv_unlinks: list[str] = field(default_factory=list)
     kv_fills: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
+    checkpoint_fills: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
     # The host tier's state checkpoints (ladle.kv_cache.host_tier): (device checkpoint row, host slot)
     # copies out, then (host slot, device checkpoint row) copies in, before any restore.
     checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
@@ -100,8 +102,8 @@ class StateUpdate:
 
     def __bool__(self) -> bool:
         return bool(self.new_requests or self.diffs or self.removed or self.kv_saves or self.kv_loads
-                    or self.kv_stores or self.kv_unlinks or self.kv_fills or self.checkpoint_saves
-                    or self.checkpoint_loads)
+                    or self.kv_stores or self.kv_unlinks or self.kv_fills or self.checkpoint_fills
+                    or self.checkpoint_saves or self.checkpoint_loads)
 
 
 @dataclass(frozen=True)

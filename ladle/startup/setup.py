@@ -198,8 +198,10 @@ def build_runner(model: ConfiguredModel, cfg: EngineConfig) -> ModelRunner:
         paged = {id(t): t for g in layout.groups for layer in g.layers for t in caches[layer]}
         host_kv = HostKVCache(list(paged.values()), cfg.num_host_kv_blocks)
         if cfg.kv_disk is not None:  # its copies wait for the disk in host memory, at most the host tier's size
-            disk_writer = DiskKVWriter(list(paged.values()), cfg.kv_disk.directory,
-                                       cfg.num_host_kv_blocks * layout.block_bytes)
+            backlog = (cfg.num_host_kv_blocks * layout.block_bytes
+                       + cfg.num_host_checkpoints * layout.checkpoint_bytes(cfg.block_size))
+            disk_writer = DiskKVWriter(list(paged.values()), cfg.kv_disk.directory, backlog,
+                                       host_checkpoints.rows if host_checkpoints is not None else None)
     return ModelRunner(model, caches, cfg.block_size, cfg.device,
                        tables, groups, layout.state_groups,
                        cfg.max_num_seqs, cfg.seed, checkpoint_tails=tails, first_checkpoint=slots,
@@ -344,7 +346,8 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     host_blocks, host_checkpoints = _host_tier(args, prov, layout, prefix_caching, device, plan.num_kv_blocks,
                                                num_checkpoints, interval)
     checkpointing = bool(layout.state_groups) or any(c != (1, 1) for c in layout.compressions)
-    kv_disk = resolve_kv_disk(args, prov, layout, dtype, value, host_blocks, checkpointing, tp.world_size)
+    kv_disk = resolve_kv_disk(args, prov, layout, dtype, value, host_blocks, host_checkpoints if checkpointing else 0,
+                              checkpointing, tp.world_size)
     config = EngineConfig(
         model=args.model, tokenizer=args.tokenizer or args.model, device=device, dtype=dtype,
         max_model_len=plan.max_model_len, max_num_batched_tokens=plan.max_num_batched_tokens,

@@ -43,9 +43,10 @@ _COUNTERS = {
     "kv_offload_promoted_bytes": ("kv_offload_promoted_bytes", "Bytes copied back from the host tier for hits."),
     "kv_offload_dropped_blocks": ("kv_offload_dropped_blocks", "Host-tier blocks dropped to make room (least "
                                                                "recently used first)."),
-    "kv_disk_stored_blocks": ("kv_disk_stored_blocks", "Cached KV blocks written to the disk tier "
-                                                       "(kv_disk_cache_dir)."),
-    "kv_disk_loaded_blocks": ("kv_disk_loaded_blocks", "Blocks read back from the disk tier for prefix hits."),
+    "kv_disk_stored_blocks": ("kv_disk_stored_blocks", "Cached KV blocks and state checkpoints written to the disk "
+                                                       "tier (kv_disk_cache_dir)."),
+    "kv_disk_loaded_blocks": ("kv_disk_loaded_blocks", "Blocks and state checkpoints read back from the disk tier "
+                                                       "for prefix hits."),
     "kv_disk_misses": ("kv_disk_misses", "Disk-tier entries refused by a check on read (torn, truncated, stale or "
                                          "foreign): their tokens were computed instead."),
     "kv_disk_evicted_blocks": ("kv_disk_evicted_blocks", "Disk-tier entries deleted to stay within "
