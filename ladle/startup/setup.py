@@ -250,6 +250,9 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         prov.put("gpu_memory_utilization", args.gpu_memory_utilization)
 
     hf_config = load_config(args.model)
+    if args.ple_table is not None:  # the plan of a config (ladle.startup.config_plan) places them; serving not yet
+        raise ValueError("ple_table cannot be used to serve yet (only ladle.startup.config_plan places PLE tables); "
+                         "drop it")
     quant, value, why = resolve_quantization(args.quantization, hf_config)
     gguf = gguf_file_of(args.model) is not None  # block-quantized by its tensors' types, not by a config
     if gguf and quant is None:
