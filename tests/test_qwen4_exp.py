@@ -111,18 +111,24 @@ def test_greedy_equals_hf_under_preemption(case):
     path, hf, _, _ = case
     prompts = _prompts([40] * 6, 12)
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9)
+    # Two 64-token requests must not fit: 4 K/V blocks each, and 1 (gqa: 64 keys a block) or 2 (mqa: 32) of keys.
+    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9 if "gqa" in path else 11)
 
 
-def test_the_cache_layout_pages_the_indexer_keys_and_keeps_ple_state(case):
+def test_the_cache_layout_pages_the_indexer_keys_at_their_size_and_keeps_ple_state(case):
     path = case[0]
     llm = LLM(path, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
     layout = llm.engine.core.config.kv_layout
     mix = MIXES["gqa" if "gqa" in path else "mqa"]
     types = mix["layer_types"]
     indexed = [i for i, t in enumerate(types) if t == "indexed_attention"]
-    # the attention layers, then one indexer-key layer per indexed layer, in one paged group
-    assert [g.layers for g in layout.groups] == [(*indexed, *range(len(types), len(types) + len(indexed)))]
+    # the attention layers, then one indexer-key layer per indexed layer, in a group of their own
+    assert [g.layers for g in layout.groups] == [tuple(indexed), tuple(range(len(types), len(types) + len(indexed)))]
+    keys = layout.groups[1].spec
+    # as many keys to a page as their halves fit a K and a V row: gqa 2 x 16 values a row, keys of 16 -> 4 a row;
+    # mqa 20 a row, keys of 20 -> 2
+    assert (keys.block_scale, keys.head_dim) == ((4, 8) if "gqa" in path else (2, 10))
+    assert keys.page_bytes(16) == layout.groups[0].spec.page_bytes(16)
     ple = [i - 1 for i in mix["ple_layer_ids"]]
     states = {g.spec.kind: g.layers for g in layout.state_groups}
     assert states["gated deltanet + PLE state"] == tuple(ple)

@@ -289,7 +289,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if layout.state_groups:
         graph_batch = _state_limits(prov, layout, graph_batch)
     num_checkpoints, prefix_caching = resolve_checkpoints(args, prov, layout, budget, weights, prefix_caching)
-    if any(g.spec.compress_rate > 1 for g in layout.groups) and graph_batch:
+    if any(g.spec.compression != (1, 1) for g in layout.groups) and graph_batch:
         graph_batch = _graph_limit(prov, graph_batch, "compressed KV groups: the model builds their entries "
                                    "request by request from host copies, which a graph cannot replay")
     if tiered and graph_batch:
