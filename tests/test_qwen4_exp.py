@@ -248,3 +248,30 @@ def test_a_config_hfs_own_checks_refuse_is_a_clear_error(tmp_path):
                                                       "indexer_n_heads": 3}))
     with pytest.raises(ValueError, match="cannot read the config"):
         LLM(str(tmp_path))
+
+
+def test_ple_tables_held_in_host_memory_give_hf_tokens(case):
+    """ple_table host: each step's rows gathered from the tables in host memory (on CPU the same memory, the same
+    gather as on a GPU), staged before the first layer; HF's tokens under the chunk cap, and from the prefix cache."""
+    from ladle.models.layers.host_table import HostTable
+
+    path, _, prompts, want = case
+    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, ple_table="host")
+    tables = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, HostTable)]
+    assert tables and all(t.on_host for t in tables)
+    settings = llm.engine.core.config.settings
+    assert settings["ple_table"].value == "host" and settings["ple_table"].source == "explicit"
+    line = next(x for x in llm.engine.core.config.report().splitlines() if "PLE n-gram tables" in x)
+    assert f"in {len(tables)} layers, in host memory (counted in the weights: on CPU it is the device's)" in line
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+
+
+def test_ple_table_is_refused_for_a_model_without_one(tmp_path):
+    from ladle.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "q3", "qwen3", vocab_size=512, hidden_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, seed=1)
+    with pytest.raises(ValueError, match="ple_table is set, but this model has no PLE n-gram table"):
+        LLM(path, ple_table="host")
+

@@ -25,7 +25,7 @@ from ladle.models.registry import model_class_for
 from ladle.runner.penalty_counts import PENALTY_BYTES_PER_TOKEN
 from ladle.startup.checkpoints import resolve_checkpoints
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
-from ladle.startup.ple_tables import ple_tables, resolve_ple_table, table_bytes, table_line
+from ladle.startup.ple_tables import meta_bytes, place_tables
 from ladle.startup.profiling import ActivationModel
 
 
@@ -58,11 +58,9 @@ def plan_from_config(config: Any, activation: ActivationModel, budget: int, args
     parameters = sum(p.numel() for p in model.parameters())
     inventory = expert_inventory(model, config, dtype)
     everything = (inventory.resident_bytes + inventory.all_expert_bytes if inventory is not None else
-                  sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
-                      for t in (*model.parameters(), *model.buffers())))
-    tables = table_bytes(model, dtype)
-    where = resolve_ple_table(args, tables, everything, budget, on_cpu, prov.put)
-    apart = tables if where == "host" and not on_cpu else 0  # in host memory, not the device's
+                  meta_bytes(model, dtype))
+    tables = place_tables(model, args, budget, on_cpu, dtype, prov.put, everything)
+    apart = tables.apart(on_cpu) if tables is not None else 0
     tiering: ExpertTiering | None = None
     if inventory is not None:
         inventory = dataclasses.replace(inventory, resident_bytes=inventory.resident_bytes - apart)
@@ -92,7 +90,7 @@ def plan_from_config(config: Any, activation: ActivationModel, budget: int, args
         args.max_num_seqs * layout.state_bytes_per_request, 0, layout.compressions,
         args.max_num_seqs * config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
         layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, "", tiered,
-        table_line(tables, where, len(ple_tables(model)), on_cpu) if where else "")
+        tables.line if tables is not None else "")
     typed: dict[str, int] = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     return ConfigPlan(plan_memory(inputs, typed, prov.put), layout, prov, parameters)

@@ -4,6 +4,7 @@ on meta, before any storage exists, and shown as a line of the plan."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,19 @@ from ladle.config.sizes import format_bytes
 from ladle.experts.tiering import ROOM_SHARE
 from ladle.models.qwen4_exp.ple import NGramEmbedding
 
+_WIDENED = (torch.float32, torch.bfloat16, torch.float16)  # built in one of these, held in the model dtype
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    where: str  # device | host
+    nbytes: int  # the tables' bytes
+    line: str  # the plan's line on them
+
+    def apart(self, on_cpu: bool) -> int:
+        """Bytes the tables take out of the device's weights: in host memory, unless that is the device."""
+        return self.nbytes if self.where == "host" and not on_cpu else 0
+
 
 def ple_tables(model: nn.Module) -> list[NGramEmbedding]:
     return [m for m in model.modules() if isinstance(m, NGramEmbedding)]
@@ -22,6 +36,26 @@ def ple_tables(model: nn.Module) -> list[NGramEmbedding]:
 def table_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The tables' bytes as held in dtype (on meta, before they are)."""
     return sum(t.ngram_embedding.weight.numel() * dtype.itemsize for t in ple_tables(model))
+
+
+def meta_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every parameter's and buffer's bytes as they will be held, the model on meta."""
+    return sum(t.numel() * (dtype.itemsize if t.dtype in _WIDENED else t.element_size())
+               for t in (*model.parameters(), *model.buffers()))
+
+
+def place_tables(model: nn.Module, args: EngineArgs, budget: int, on_cpu: bool, dtype: torch.dtype,
+                 put: Callable[..., Any], everything: int | None = None) -> TablePlacement | None:
+    """Resolve ple_table for the model on meta (everything: all its weights' bytes, if known better than
+    meta_bytes) and mark its tables for the loader; None: it has no PLE table."""
+    tables = table_bytes(model, dtype)
+    total = meta_bytes(model, dtype) if everything is None else everything
+    where = resolve_ple_table(args, tables, total, budget, on_cpu, put)
+    if where is None:
+        return None
+    for table in ple_tables(model):
+        table.ngram_embedding.on_host = where == "host"
+    return TablePlacement(where, tables, table_line(tables, where, len(ple_tables(model)), on_cpu))
 
 
 def resolve_ple_table(args: EngineArgs, tables: int, all_weights: int, budget: int, on_cpu: bool,

@@ -58,13 +58,14 @@ class Qwen4ExpLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: tuple[torch.Tensor, ...], meta: BackendMetadata | StateMetadata,
                 index_cache: tuple[torch.Tensor, ...], index_meta: BackendMetadata | StateMetadata | None,
-                rope: RotaryEmbedding) -> torch.Tensor:
+                rope: RotaryEmbedding, ple: torch.Tensor | None) -> torch.Tensor:
+        """ple: the step's n-gram embeddings, staged by the model (PLE layers only)."""
         if self.ple is not None:
-            assert isinstance(meta, StateMetadata)
-            streams = streams + self.ple(streams, input_ids, cache[2:], meta)
+            assert isinstance(meta, StateMetadata) and ple is not None
+            streams = streams + self.ple.mix(streams, ple, cache[2:], meta)
         h, weights = self.attn_hyper_connection.mix(streams)
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
@@ -116,11 +117,17 @@ class Qwen4ExpModel(TextModel):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         streams = x.repeat(1, self.hc_count)
+        staged = {}
+        for i, layer in enumerate(self.layers):  # every PLE table's rows, before the first layer (PleLayer.stage)
+            ple, state = layer.ple, meta[self.layer_group[i]]
+            if isinstance(ple, PleLayer):
+                assert isinstance(state, StateMetadata)
+                staged[i] = ple.stage(input_ids, caches[i][2:], state)
         for i, layer in enumerate(self.layers):
             index = self.index_layer.get(i)
-            streams = layer(streams, input_ids, positions, cos, sin, caches[i], meta[self.layer_group[i]],
+            streams = layer(streams, positions, cos, sin, caches[i], meta[self.layer_group[i]],
                             () if index is None else caches[index], None if index is None else
-                            meta[self.layer_group[index]], self.rotary_emb)
+                            meta[self.layer_group[index]], self.rotary_emb, staged.get(i))
         return self.hyper_connection_mixer.mix(streams)[0]
 
 
