@@ -275,3 +275,16 @@ def test_ple_table_is_refused_for_a_model_without_one(tmp_path):
     with pytest.raises(ValueError, match="ple_table is set, but this model has no PLE n-gram table"):
         LLM(path, ple_table="host")
 
+
+@pytest.mark.parametrize("tier", [dict(moe_strategy="offload", moe_backing="mmap", moe_prefetch=True),
+                                  dict(moe_strategy="hybrid", moe_backing="host", moe_prefetch=False),
+                                  dict(moe_strategy="cpu", moe_backing="mmap")])
+def test_tiered_experts_give_the_plain_runs_tokens(case, tier):
+    """The routed experts cached in as few device slots as a token routes to (or computed where they live):
+    the plain run's tokens (HF's) under the chunk cap, and again from the prefix cache."""
+    path, hf, prompts, want = case
+    slots = {} if tier["moe_strategy"] == "cpu" else {"moe_cache_size": hf.config.num_experts_per_tok}
+    with LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, **tier, **slots) as llm:
+        assert ladle_tokens(llm, prompts, GREEDY) == want
+        assert ladle_tokens(llm, prompts, GREEDY) == want
+        assert llm.stats.experts.misses > 0
