@@ -288,3 +288,18 @@ def test_tiered_experts_give_the_plain_runs_tokens(case, tier):
         assert ladle_tokens(llm, prompts, GREEDY) == want
         assert ladle_tokens(llm, prompts, GREEDY) == want
         assert llm.stats.experts.misses > 0
+
+
+def test_qsa_attention_in_query_tiles_equals_one_pass(monkeypatch):
+    """The reference attends a long step's queries a tile at a time (bounding its scores at long contexts): the
+    same output as all queries at once, for a tile that splits the rows unevenly."""
+    from ladle.models.qwen4_exp import indexed_attention as qsa
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(23, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    mask = torch.rand(23, 40) < 0.6
+    mask[:, 0] = True  # every query sees a token
+    whole = qsa._masked_attention(q, k, v, mask, 0.3)
+    monkeypatch.setattr(qsa, "QUERY_TILE", 5)
+    torch.testing.assert_close(qsa._masked_attention(q, k, v, mask, 0.3), whole)
+

@@ -146,13 +146,20 @@ def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
 
 
+QUERY_TILE = 256  # queries scored at once: their [heads, rows, context] scores are a long step's largest tensor
+
+
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """q [L, H, D], k/v [C, kvh, D], mask [L, C] -> [L, H, D]; query head h reads kv head h // (H / kvh)."""
     length, heads, dim = q.shape
     kvh = k.shape[1]
-    grouped = q.float().view(length, kvh, heads // kvh, dim)
-    scores = torch.einsum("lkgd,ckd->kglc", grouped, k.float()) * scale
-    # In place: at a long context these [heads, L, C] scores are the step's largest tensor.
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-    return torch.einsum("kglc,ckd->lkgd", probs, v.float()).reshape(length, heads, dim).to(q.dtype)
+    keys, values = k.float(), v.float()
+    out = torch.empty_like(q)
+    for start in range(0, length, QUERY_TILE):
+        rows = slice(start, start + QUERY_TILE)
+        grouped = q[rows].float().view(-1, kvh, heads // kvh, dim)
+        scores = torch.einsum("lkgd,ckd->kglc", grouped, keys) * scale
+        probs = torch.softmax(scores.masked_fill_(~mask[rows], float("-inf")), dim=-1)
+        out[rows] = torch.einsum("kglc,ckd->lkgd", probs, values).reshape(-1, heads, dim).to(q.dtype)
+    return out
