@@ -303,3 +303,14 @@ def test_qsa_attention_in_query_tiles_equals_one_pass(monkeypatch):
     monkeypatch.setattr(qsa, "QUERY_TILE", 5)
     torch.testing.assert_close(qsa._masked_attention(q, k, v, mask, 0.3), whole)
 
+
+@pytest.mark.parametrize("arch", ["Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"])
+def test_the_tool_and_reasoning_parsers_are_qwen3_5s(arch):
+    """Derived as for Qwen3.5 (qwen3_coder-style XML calls, <think> blocks), and said so at startup."""
+    from ladle.entrypoints.openai.chat.settings import resolve_chat_settings
+
+    chat = resolve_chat_settings(None, None, False, None, arch)
+    assert chat.tool_format is not None and chat.tool_format.name == "qwen3_coder" and chat.auto_tool_choice
+    assert chat.reasoning is not None
+    assert f"tool-call-parser         qwen3_coder  (derived from {arch})" in chat.report()
+    assert f"reasoning-parser         qwen3  (derived from {arch})" in chat.report()
