@@ -34,6 +34,11 @@ def test_the_flash_next_plan_at_32_gib_puts_the_tables_and_experts_off_the_devic
     assert p.inputs.weights < 32 * GiB * 0.7
     assert p.max_prefill_length % 64 == 0 and p.max_prefill_length > 0 and p.headroom >= 0
     assert p.max_model_len == config.max_position_embeddings
+    # The QSA layers' KV at its real size: 10 layers of 2 x 2 x 256 bf16 K/V (a 16-token block each), and their
+    # indexer keys, 128 bf16 a token, in a group of their own whose pages hold 8 x 16 tokens' keys.
+    keys = plan.layout.groups[1].spec
+    assert (keys.block_scale, plan.layout.block_bytes // 16) == (8, 10 * 2 * 2 * 256 * 2)
+    assert p.inputs.request_blocks(32768, 8192) == 32768 // 16 + 32768 // 128
 
 
 def test_a_budget_that_holds_every_weight_keeps_them_on_the_device(config):

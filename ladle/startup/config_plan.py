@@ -38,7 +38,8 @@ class ConfigPlan:
 
     def report(self) -> str:
         rows = [(name, str(s.value), s.source, s.reason) for name, s in self.settings.settings.items()]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        # A long value (the tiered experts' line) overflows its column rather than widening every row.
+        widths = [max(len(r[0]) for r in rows), min(12, max(len(r[1]) for r in rows)), 7]
         table = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
         return "\n".join([*table, *self.plan.lines(), *self.layout.lines()])
 
@@ -50,7 +51,8 @@ def plan_from_config(config: Any, activation: ActivationModel, budget: int, args
     explicit as typed, the others derived as startup derives them)."""
     prov = Provenance(explicit)
     on_cpu = device_type == "cpu"
-    prov.put("memory_budget", format_bytes(budget), "" if "memory_budget" in explicit else "given to the plan")
+    why = "explicit --memory-budget" if "memory_budget" in explicit else "given to the plan"
+    prov.put("memory_budget", format_bytes(budget), "" if "memory_budget" in explicit else why)
     prov.put("dtype", str(dtype).removeprefix("torch."))
     prov.put("max_num_seqs", args.max_num_seqs)
     with torch.device("meta"):
@@ -85,7 +87,7 @@ def plan_from_config(config: Any, activation: ActivationModel, budget: int, args
     if not on_cpu and layout.state_groups:
         prov.put("max_cudagraph_capture_size", 0, f"the {layout.state_groups[0].spec.kind} layers run eagerly")
     inputs = PlanInputs(
-        budget, "given to the plan", weights, layout.block_bytes // args.block_size, args.block_size,
+        budget, why, weights, layout.block_bytes // args.block_size, args.block_size,
         config.max_position_embeddings, args.max_num_seqs, on_cpu, activation, 0, layout.windows,
         args.max_num_seqs * layout.state_bytes_per_request, 0, layout.compressions,
         args.max_num_seqs * config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
