@@ -293,7 +293,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     held in host memory (HostTable) draws from a host generator of the same seed."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        generator = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        generator = generators[param.device]
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
