@@ -256,6 +256,7 @@ def main() -> None:
     for name, title in (("planner", "## Memory planner accuracy"), ("prefix_cache", None), ("agent_sessions", None), ("replica_routing", None),
                         ("host_overhead", None),
                         ("server_abuse", None), ("hostile_corpus", None), ("startup", None), ("threads", None), ("dsv4_flash_plan", None),
+                        ("qwen4_flash_next_plan", None),
                         ("cpu_linear", None), ("cpu_decode_attention", None)):
         path = RESULTS / f"{name}.md"
         if path.exists():

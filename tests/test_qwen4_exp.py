@@ -111,18 +111,24 @@ def test_greedy_equals_hf_under_preemption(case):
     path, hf, _, _ = case
     prompts = _prompts([40] * 6, 12)
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9)
+    # Two 64-token requests must not fit: 4 K/V blocks each, and 1 (gqa: 64 keys a block) or 2 (mqa: 32) of keys.
+    assert_greedy_under_preemption(path, prompts, want, max_tokens=24, num_kv_blocks=9 if "gqa" in path else 11)
 
 
-def test_the_cache_layout_pages_the_indexer_keys_and_keeps_ple_state(case):
+def test_the_cache_layout_pages_the_indexer_keys_at_their_size_and_keeps_ple_state(case):
     path = case[0]
     llm = LLM(path, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
     layout = llm.engine.core.config.kv_layout
     mix = MIXES["gqa" if "gqa" in path else "mqa"]
     types = mix["layer_types"]
     indexed = [i for i, t in enumerate(types) if t == "indexed_attention"]
-    # the attention layers, then one indexer-key layer per indexed layer, in one paged group
-    assert [g.layers for g in layout.groups] == [(*indexed, *range(len(types), len(types) + len(indexed)))]
+    # the attention layers, then one indexer-key layer per indexed layer, in a group of their own
+    assert [g.layers for g in layout.groups] == [tuple(indexed), tuple(range(len(types), len(types) + len(indexed)))]
+    keys = layout.groups[1].spec
+    # as many keys to a page as their halves fit a K and a V row: gqa 2 x 16 values a row, keys of 16 -> 4 a row;
+    # mqa 20 a row, keys of 20 -> 2
+    assert (keys.block_scale, keys.head_dim) == ((4, 8) if "gqa" in path else (2, 10))
+    assert keys.page_bytes(16) == layout.groups[0].spec.page_bytes(16)
     ple = [i - 1 for i in mix["ple_layer_ids"]]
     states = {g.spec.kind: g.layers for g in layout.state_groups}
     assert states["gated deltanet + PLE state"] == tuple(ple)
@@ -242,3 +248,69 @@ def test_a_config_hfs_own_checks_refuse_is_a_clear_error(tmp_path):
                                                       "indexer_n_heads": 3}))
     with pytest.raises(ValueError, match="cannot read the config"):
         LLM(str(tmp_path))
+
+
+def test_ple_tables_held_in_host_memory_give_hf_tokens(case):
+    """ple_table host: each step's rows gathered from the tables in host memory (on CPU the same memory, the same
+    gather as on a GPU), staged before the first layer; HF's tokens under the chunk cap, and from the prefix cache."""
+    from ladle.models.layers.host_table import HostTable
+
+    path, _, prompts, want = case
+    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, ple_table="host")
+    tables = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, HostTable)]
+    assert tables and all(t.on_host for t in tables)
+    settings = llm.engine.core.config.settings
+    assert settings["ple_table"].value == "host" and settings["ple_table"].source == "explicit"
+    line = next(x for x in llm.engine.core.config.report().splitlines() if "PLE n-gram tables" in x)
+    assert f"in {len(tables)} layers, in host memory (counted in the weights: on CPU it is the device's)" in line
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+    assert ladle_tokens(llm, prompts, GREEDY) == want
+
+
+def test_ple_table_is_refused_for_a_model_without_one(tmp_path):
+    from ladle.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "q3", "qwen3", vocab_size=512, hidden_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, seed=1)
+    with pytest.raises(ValueError, match="ple_table is set, but this model has no PLE n-gram table"):
+        LLM(path, ple_table="host")
+
+
+@pytest.mark.parametrize("tier", [dict(moe_strategy="offload", moe_backing="mmap", moe_prefetch=True),
+                                  dict(moe_strategy="hybrid", moe_backing="host", moe_prefetch=False),
+                                  dict(moe_strategy="cpu", moe_backing="mmap")])
+def test_tiered_experts_give_the_plain_runs_tokens(case, tier):
+    """The routed experts cached in as few device slots as a token routes to (or computed where they live):
+    the plain run's tokens (HF's) under the chunk cap, and again from the prefix cache."""
+    path, hf, prompts, want = case
+    slots = {} if tier["moe_strategy"] == "cpu" else {"moe_cache_size": hf.config.num_experts_per_tok}
+    with LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, **tier, **slots) as llm:
+        assert ladle_tokens(llm, prompts, GREEDY) == want
+        assert ladle_tokens(llm, prompts, GREEDY) == want
+        assert llm.stats.experts.misses > 0
+
+
+def test_qsa_attention_in_query_tiles_equals_one_pass(monkeypatch):
+    """The reference attends a long step's queries a tile at a time (bounding its scores at long contexts): the
+    same output as all queries at once, for a tile that splits the rows unevenly."""
+    from ladle.models.qwen4_exp import indexed_attention as qsa
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(23, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    mask = torch.rand(23, 40) < 0.6
+    mask[:, 0] = True  # every query sees a token
+    whole = qsa._masked_attention(q, k, v, mask, 0.3)
+    monkeypatch.setattr(qsa, "QUERY_TILE", 5)
+    torch.testing.assert_close(qsa._masked_attention(q, k, v, mask, 0.3), whole)
+
+
+@pytest.mark.parametrize("arch", ["Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"])
+def test_the_tool_and_reasoning_parsers_are_qwen3_5s(arch):
+    """Derived as for Qwen3.5 (qwen3_coder-style XML calls, <think> blocks), and said so at startup."""
+    from ladle.entrypoints.openai.chat.settings import resolve_chat_settings
+
+    chat = resolve_chat_settings(None, None, False, None, arch)
+    assert chat.tool_format is not None and chat.tool_format.name == "qwen3_coder" and chat.auto_tool_choice
+    assert chat.reasoning is not None
+    assert f"tool-call-parser         qwen3_coder  (derived from {arch})" in chat.report()
+    assert f"reasoning-parser         qwen3  (derived from {arch})" in chat.report()

@@ -27,14 +27,14 @@ class CacheKind(enum.Enum):
     FULL = "full attention"
     SLIDING_WINDOW = "a sliding window"
     SHARED_KV = "one vector per token as both key and value (DeepSeek-V4's sink attention)"
-    COMPRESSED = "compressed entries (DeepSeek-V4's)"
+    COMPRESSED = "entries the model writes itself, several to a page's row (DeepSeek-V4's, QSA's indexer keys)"
 
 
 def cache_kinds(spec: AttentionSpec) -> frozenset[CacheKind]:
     kinds = {CacheKind.FULL if spec.sliding_window is None else CacheKind.SLIDING_WINDOW}
     if spec.kv_shared:
         kinds.add(CacheKind.SHARED_KV)
-    if spec.compress_rate > 1:
+    if spec.compression != (1, 1):
         kinds.add(CacheKind.COMPRESSED)
     return frozenset(kinds)
 

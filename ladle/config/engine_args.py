@@ -18,6 +18,7 @@ ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
+PLE_TABLES = ("device", "host")  # where Qwen4-Exp's hashed n-gram tables live (ladle.startup.ple_tables)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names: FULL replays decode-only and mixed (prefill-carrying) steps from graphs, FULL_DECODE_ONLY only
 # decode-only steps.
@@ -130,6 +131,10 @@ class EngineArgs:
         None, "tiered experts: fetch a layer's misses, and in a prefill the next layer's experts, ahead on a "
               "worker thread (default: on CUDA, where copies use the DMA engines; off on CPU, where they compete "
               "with the compute for the same cores)")
+    ple_table: str | None = flag(
+        None, "Qwen4-Exp's PLE n-gram tables: device, or host (held in host memory; each step's rows gathered "
+              "from its token ids) (default: device when every weight fits the device, else host)",
+        choices=PLE_TABLES)
     seed: int = flag(0)
 
     @classmethod
@@ -203,6 +208,8 @@ class EngineArgs:
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}: choose one of {', '.join(CUDAGRAPH_MODES)}")
         parse_speculative_config(self.speculative_config)
+        if self.ple_table is not None and self.ple_table not in PLE_TABLES:
+            raise ValueError(f"ple_table={self.ple_table!r}: choose one of {', '.join(PLE_TABLES)}")
         validate_moe_args(self.moe_cache_size, self.moe_cache_fraction, self.moe_strategy, self.moe_backing,
                           self.moe_prefetch)
         check_model_dir(self.model, "model")

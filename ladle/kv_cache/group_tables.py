@@ -11,7 +11,7 @@ class GroupTables:
         self.compression = compression
         rate, scale = compression
         # Tokens whose KV (or entries) one of its blocks holds.
-        self.tokens_per_block = block_size * (scale * rate if rate > 1 else 1)
+        self.tokens_per_block = block_size * scale * rate
         self.tables: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}  # per request: leading blocks registered or found registered
 
@@ -29,7 +29,7 @@ class GroupTables:
         """Index of a compressed group's partly filled block at position, whose entries a state checkpoint
         holds; None for an uncompressed group or when every block before position is complete."""
         rate = self.compression[0]
-        if rate == 1:
+        if self.compression == (1, 1):
             return None
         entries, per_block = position // rate, self.tokens_per_block // rate
         return entries // per_block if entries % per_block else None

@@ -118,7 +118,7 @@ def _served(groups: Sequence[GroupTables], cached: list[list[int | None]], leadi
     blocks: list[list[int]] = []
     for g, c, lead, miss in zip(groups, cached, leading, misses):
         rate = g.compression[0]
-        if rate > 1:
+        if g.compression != (1, 1):
             full = (pos // rate) // (g.tokens_per_block // rate)
             if lead < full:
                 return None

@@ -24,9 +24,10 @@ def blocks_held(window: int | None, num_tokens: int, block_size: int, chunk: int
                 compression: tuple[int, int] = (1, 1)) -> int:
     """The most blocks a request of num_tokens tokens holds at once in a group, prefilled `chunk` tokens at a
     time: all of them, or with a window only those of the chunk and of the window - 1 tokens before it. A
-    compressed group (rate, scale) holds one entry per `rate` complete tokens, block_size x scale a block."""
+    compressed group (rate, scale) holds one entry per `rate` complete tokens, block_size x scale a block (rate 1:
+    an entry per token, narrower than a K/V row, so more of them to a page)."""
     rate, scale = compression
-    if rate > 1:
+    if compression != (1, 1):
         return -(-(num_tokens // rate) // (block_size * scale))
     blocks = -(-num_tokens // block_size)
     if window is None:
@@ -44,9 +45,11 @@ class AttentionSpec:
     sliding_window: int | None = None
     kv_shared: bool = False  # one vector per token is both key and value (DeepSeek-V4): one tensor, not two
     # A compressed group keeps one entry per compress_rate tokens (DeepSeek-V4's compressed KV), paged by
-    # entry position; block_scale x block_size entries to a block, so narrower entries fill the same page.
+    # entry position; block_scale x block_size entries to a block, so narrower entries fill the same page. The
+    # model writes a compressed group's entries itself (its slot mapping is empty).
     compress_rate: int = 1
     block_scale: int = 1
+    label: str = ""  # what the entries are, where the fields alone would not say (the plan's KV group line)
 
     @property
     def compression(self) -> tuple[int, int]:
@@ -62,8 +65,10 @@ class AttentionSpec:
 
     def describe(self) -> str:
         kind = "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
-        if self.compress_rate > 1:
+        if self.compression != (1, 1):
             kind = f"compressed entries (1 per {self.compress_rate} tokens, {self.block_scale}x16 a block)"
+        if self.label:
+            kind = f"{self.label} ({self.block_scale}x16 tokens a block)"
         shared = ", key = value" if self.kv_shared else ""
         return (f"{kind}, {self.num_kv_heads} kv heads x {self.head_dim}{shared}, "
                 f"{str(self.dtype).removeprefix('torch.')}")
@@ -168,7 +173,7 @@ class KVCacheLayout:
     @property
     def tail_groups(self) -> tuple[int, ...]:
         """The compressed groups, whose last partly filled block a state checkpoint holds a copy of."""
-        return tuple(i for i, g in enumerate(self.groups) if g.spec.compress_rate > 1)
+        return tuple(i for i, g in enumerate(self.groups) if g.spec.compression != (1, 1))
 
     def checkpoint_bytes(self, block_size: int) -> int:
         """One state checkpoint: a request's state slot, and a page per layer of each compressed group."""

@@ -38,11 +38,12 @@ class CheckpointCopier:
         row = copy.checkpoint - self.first_checkpoint
         for g, block in enumerate(copy.tail_blocks):
             for layer in self.group_layers[g] if block >= 0 else ():
-                page, tail = self.kv_caches[layer][0], self.tails[layer]
-                if restore:
-                    page[block] = tail[row]
-                else:
-                    tail[row] = page[block]
+                tail = self.tails[layer]
+                for j, page in enumerate(self.kv_caches[layer][: tail.shape[1]]):  # K (= V), or K and V
+                    if restore:
+                        page[block] = tail[row, j]
+                    else:
+                        tail[row, j] = page[block]
 
     def save_after(self, specs: list[ChunkSpec]) -> None:
         """The saves of the chunks a forward just ran (a step split for a retry saves with each part)."""

@@ -27,11 +27,11 @@ def allocate_kv_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int, 
 
 def allocate_checkpoint_tails(layout: KVCacheLayout, num_checkpoints: int,
                               device: torch.device) -> dict[int, torch.Tensor]:
-    """Per layer of a compressed group: one page per state checkpoint, the copy of that group's last partly
-    filled block (ladle.kv_cache.state_checkpoints)."""
+    """Per layer of a compressed group: one page per state checkpoint (a K and a V page unless key = value), the
+    copy of that group's last partly filled block (ladle.kv_cache.state_checkpoints)."""
     if not num_checkpoints:
         return {}
     spec = layout.groups[0].spec
-    shape = (num_checkpoints, layout.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (num_checkpoints, 1 if spec.kv_shared else 2, layout.block_size, spec.num_kv_heads, spec.head_dim)
     return {layer: torch.zeros(shape, dtype=spec.dtype, device=device)
             for g in layout.tail_groups for layer in layout.groups[g].layers}

@@ -64,7 +64,7 @@ def slot_mapping(table: np.ndarray, request: np.ndarray, positions: np.ndarray, 
 def blocks_needed(context: np.ndarray, block_size: int, compression: tuple[int, int] = (1, 1)) -> np.ndarray:
     """Blocks each request's table must cover for `context` tokens (ladle.kv_cache.specs.blocks_held, whole)."""
     rate, scale = compression
-    if rate > 1:
+    if compression != (1, 1):
         return -(-(context // rate) // (block_size * scale))
     return -(-context // block_size)
 

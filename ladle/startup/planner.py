@@ -39,6 +39,7 @@ class PlanInputs:
     checkpoint_bytes: int = 0  # each
     weights_format: str = ""  # what the weight bytes are, where not all the model dtype (quantized checkpoints)
     tiered: str = ""  # MoE routed experts off the device: where, and the slots that cache them
+    tables: str = ""  # embedding tables held apart from the other weights (Qwen4-Exp's PLE): where, and their bytes
 
     @property
     def reserved(self) -> int:
@@ -137,6 +138,7 @@ class MemoryPlan:
             f"memory budget     {i.budget / MiB:10.1f} MiB  ({i.budget_reason})",
             f"weights           {i.weights / MiB:10.1f} MiB" + (f"  ({i.weights_format})" if i.weights_format else ""),
             *([f"                              {i.tiered}"] if i.tiered else []),
+            *([f"                              {i.tables}"] if i.tables else []),
             f"KV pool           {self.kv_pool_bytes / MiB:10.1f} MiB  ({self.num_kv_blocks} blocks x "
             f"{i.block_size} = {self.num_kv_blocks * i.block_size} tokens, {i.kv_bytes_per_token} B/token)",
             f"activation peak   {self.activation_peak / MiB:10.1f} MiB  (predicted: a step of "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ladle.attention.groups import attention_groups
 from ladle.attention.selector import resolve_backend, select_backend
@@ -38,6 +39,7 @@ from ladle.startup.kv_disk import resolve_kv_disk
 from ladle.startup.memory import device_budget, free_memory_bytes, total_memory_bytes
 from ladle.startup.partial_prefill import resolve_partial_prefills
 from ladle.startup.planner import MemoryPlan, PlanInputs, plan_memory
+from ladle.startup.ple_tables import TablePlacement, place_tables
 from ladle.startup.profiling import ProfilePoint, fit_activation_model, profile_points, profile_shapes
 from ladle.startup.speculative import draft_rows_per_request, mtp_drafts, mtp_limits, resolve_speculative
 from ladle.startup.threads import apply_threads, keep_lending, resolve_lending, resolve_threads, usable_cpus
@@ -273,14 +275,23 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
         check_max_model_len(args.max_model_len, model_max)
     speculative = parse_speculative_config(args.speculative_config)
     mtp = speculative is not None and speculative.method == "mtp"
+    tables: list[TablePlacement] = []
+
+    def place(meta_model: nn.Module) -> int:
+        placed = place_tables(meta_model, args, budget, device.type == "cpu", dtype, prov.put)
+        tables.extend([placed] if placed is not None else [])
+        return placed.apart(device.type == "cpu") if placed is not None else 0
+
     model, hf_config = load_model(args.model, device, dtype, args.load_format, args.seed, hf_config, tp,
-                                  args.dequantize_weights, tiering_resolver(args, prov, budget, device), mtp)
+                                  args.dequantize_weights, tiering_resolver(args, prov, budget, device), mtp, place)
     lending = keep_lending(lending, model, prov)
     if model.cpu_kernels is not None and device.type == "cpu":
         prov.put("cpu_kernels", *model.cpu_kernels)
     host_experts, tiered = tiered_line(model, device)
     calibrate_tiers(model, prov, device, dtype)
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + host_experts
+    # A table held in host memory is not the device's (on CPU everything is).
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                  if t.device.type == device.type) + host_experts
     if weights >= budget:
         raise ValueError(f"the weights ({format_bytes(weights)}) do not fit in the memory budget "
                          f"({format_bytes(budget)}, {budget_reason}); raise memory_budget")
@@ -291,7 +302,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
     if layout.state_groups:
         graph_batch = _state_limits(prov, layout, graph_batch)
     num_checkpoints, prefix_caching = resolve_checkpoints(args, prov, layout, budget, weights, prefix_caching)
-    if any(g.spec.compress_rate > 1 for g in layout.groups) and graph_batch:
+    if any(g.spec.compression != (1, 1) for g in layout.groups) and graph_batch:
         graph_batch = _graph_limit(prov, graph_batch, "compressed KV groups: the model builds their entries "
                                    "request by request from host copies, which a graph cannot replay")
     if tiered and graph_batch:
@@ -330,7 +341,7 @@ def load_and_plan(args: EngineArgs, explicit: frozenset[str], tp: TensorParallel
                         args.max_num_seqs * (1 + drafts) * layout.state_bytes_per_request, drafts, layout.compressions,
                         args.max_num_seqs * hf_config.vocab_size * PENALTY_BYTES_PER_TOKEN, num_checkpoints,
                         layout.checkpoint_bytes(args.block_size) if num_checkpoints else 0, weights_format(model),
-                        tiered)
+                        tiered, tables[0].line if tables else "")
     typed: dict[str, int] = {name: getattr(args, name) for name in
              ("max_model_len", "max_num_batched_tokens", "max_prefill_length", "num_kv_blocks") if name in explicit}
     if "kv_cache_memory_bytes" in explicit and "num_kv_blocks" not in explicit:

@@ -1,6 +1,7 @@
 """Build a model from a local HF checkpoint directory (config.json + safetensors) or a GGUF file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from ladle.kernels import cpu_kernels
 from ladle.models.interface import CausalLM, ConfiguredModel, SupportsMtp
 from ladle.models.layers.cpu_ops import CpuOps
 from ladle.models.layers.decoder_layer import RotaryEmbedding
+from ladle.models.layers.host_table import HostTable
 from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
 from ladle.models.loading.huge_pages import move_weights_to_huge_pages
@@ -132,13 +134,16 @@ def load_model(
     model_dir: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0,
     config: Any = None, tp: TensorParallel = SINGLE, dequantize: bool = False,
     tiering: Callable[[ExpertInventory | None], ExpertTiering | None] | None = None, mtp: bool = False,
+    tables: Callable[[nn.Module], int] | None = None,
 ) -> tuple[ConfiguredModel, Any]:
     """Build the model for model_dir's config (read here unless given) on device in dtype and load its
     safetensors weights, or, with load_format="dummy", fill it with random weights (model_dir then needs only
     config.json). With tp of several ranks, only rank tp.rank's shard is built and read. dequantize: a
     quantized checkpoint's layers are widened to dtype once loaded. tiering: given the model's routed experts
     (ladle.experts.tiering), says whether and how they leave the device (the setting resolved by the caller).
-    mtp: the checkpoint's multi-token-prediction layer is built and loaded too (speculative_config method mtp)."""
+    mtp: the checkpoint's multi-token-prediction layer is built and loaded too (speculative_config method mtp).
+    tables: given the model on meta, places its host-holdable tables (ladle.startup.ple_tables) and returns the
+    bytes it put in host memory, which the experts' tiering then does not count as the device's."""
     config = load_config(model_dir) if config is None else config
     model_cls = model_class_for(config)
     gguf = gguf_file_of(model_dir)
@@ -178,7 +183,10 @@ def load_model(
             # widened
             block_types = gguf_block_types(gguf, config)
             gguf_blocks = use_ggml_linears(model, block_types) | use_ggml_embedding(model, block_types, dtype)
+    apart = tables(model) if tables is not None else 0
     inventory = expert_inventory(model, config, dtype) if tiering is not None else None
+    if inventory is not None and apart and device.type != "cpu":
+        inventory = dataclasses.replace(inventory, resident_bytes=inventory.resident_bytes - apart)
     tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
     if tiered is not None:
@@ -260,17 +268,19 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     without the meta empty_like that imports sympy (1-2 s of a start)."""
     done: dict[int, torch.Tensor] = {}
 
-    def empty(t: torch.Tensor, keep: bool) -> torch.Tensor:
+    def empty(t: torch.Tensor, keep: bool, where: torch.device = device) -> torch.Tensor:
         if id(t) not in done:
             floating = t.is_floating_point() and not keep
-            done[id(t)] = torch.empty(t.shape, dtype=dtype if floating else t.dtype, device=device)
+            done[id(t)] = torch.empty(t.shape, dtype=dtype if floating else t.dtype, device=where)
         return done[id(t)]
 
+    host = torch.device("cpu")
     for module in model.modules():
         keep = module.keep_dtypes if isinstance(module, KeepsDtypes) else ()
+        where = host if isinstance(module, HostTable) and module.on_host else device
         for name, p in module._parameters.items():
             if p is not None:
-                module._parameters[name] = nn.Parameter(empty(p, name in keep), requires_grad=p.requires_grad)
+                module._parameters[name] = nn.Parameter(empty(p, name in keep, where), requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = empty(b, name in keep)
@@ -279,11 +289,13 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Weights N(0, 0.02) and norms 1, drawn on the model's device (an 8B model fills in well under a second
-    on a GPU): throughput and memory do not depend on weight values, and no checkpoint needs to exist."""
-    generator: torch.Generator | None = None
+    on a GPU): throughput and memory do not depend on weight values, and no checkpoint needs to exist. A table
+    held in host memory (HostTable) draws from a host generator of the same seed."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        generator = generators[param.device]
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):

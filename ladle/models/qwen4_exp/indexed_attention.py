@@ -9,8 +9,10 @@ sum over its heads of relu(q . key), / sqrt(indexer_head_dim)) and attends to th
 indexer_budget // R blocks plus the incomplete tail (the tokens after the last complete block, itself among
 them).
 
-Caches: K and V paged as for full attention; the raw indexer keys paged per token too, in a cache layer of their
-own with the same spec (its K tensor holds the key in its first indexer_head_dim values; V is unused). The block
+Caches: K and V paged as for full attention; the raw indexer keys paged per token too, in a KV cache group of their
+own (indexer_key_spec) whose pages hold as many tokens' keys as fit: each key's first half in the K page, its
+second half in the V page, so the pool counts their real bytes (an eighth of a K/V row on the Flash-Next shape)
+rather than a whole row. The layer writes them itself, at the slots its group's block table gives. The block
 keys are recomputed from the paged raw keys when a step needs them, so a block completed across prefill chunks
 (or a prefix-cache hit) gives the same keys as HF's whole-prompt pass. This is the torch reference: each request's
 context is gathered whole.
@@ -24,9 +26,20 @@ import torch
 from torch import nn
 
 from ladle.attention.backend import BackendMetadata
+from ladle.kv_cache.specs import AttentionSpec
 from ladle.models.layers.ops import apply_rotary
 from ladle.models.qwen3_5.model import GatedAttention
 from ladle.models.qwen4_exp.norms import GroupedRMSNorm
+
+
+def indexer_key_spec(config: Any, dtype: torch.dtype) -> AttentionSpec:
+    """The indexer keys' group: a K/V page row of the attention (num_key_value_heads x head_dim values) split into
+    as many entries as still hold half a key, so a page holds that many times block_size tokens' keys."""
+    row = config.num_key_value_heads * config.head_dim
+    half = -(-config.indexer_head_dim // 2)
+    scale = max(s for s in range(1, row // half + 1) if row % s == 0 and row // s >= half)
+    return AttentionSpec(1, row // scale, dtype, block_scale=scale,
+                         label=f"QSA indexer keys, {config.indexer_head_dim} a token as halves in K and V")
 
 
 class QsaIndexer(nn.Module):
@@ -82,27 +95,35 @@ class IndexedAttention(GatedAttention):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.indexer = QsaIndexer(config)
-        self.kv_width = self.num_kv_heads * self.head_dim
-        if self.indexer.dim > self.kv_width:
+        if self.indexer.dim > self.num_kv_heads * self.head_dim:
             raise ValueError(f"indexer_head_dim {self.indexer.dim} is wider than num_key_value_heads x head_dim "
-                             f"{self.kv_width}: the indexer's keys are paged in a K/V page of the same spec")
+                             f"{self.num_kv_heads * self.head_dim}: a key's halves must fit a K and a V page row")
+        self.entry = indexer_key_spec(config, torch.float32).head_dim  # values of a key half's entry
+        self.key_half = -(-self.indexer.dim // 2)
 
     # It takes more than Qwen3.5's attention (positions, the indexer's key cache, the rope for block keys): a
     # different call, on purpose, so no caller can run it as plain causal attention.
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,  # type: ignore[override]
                 sin: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], index_cache: tuple[torch.Tensor, ...],
-                attn: BackendMetadata, rope: Any) -> torch.Tensor:
-        """rope: the model's rotary embedding, for the block keys' positions."""
+                attn: BackendMetadata, index_meta: BackendMetadata, rope: Any) -> torch.Tensor:
+        """index_cache, index_meta: the indexer keys' pages and their group's metadata; rope: the model's rotary
+        embedding, for the block keys' positions."""
         t = x.shape[0]
         q_gate, k, v = self._qkv(x, cos, sin)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = partial_rope(self.q_norm(q), cos, sin)
         iq, raw = self.indexer.project(x, cos, sin)
         attn.backend.write_kv(k, v, kv_cache[0], kv_cache[1], attn)
-        key_pool = index_cache[0].view(-1, self.kv_width)
-        key_pool[attn.slot_mapping, : self.indexer.dim] = raw.to(key_pool.dtype)
-        out = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        pages = [p.view(p.shape[0], -1, self.entry) for p in index_cache[:2]]  # [blocks, entries, entry]
+        per_block = pages[0].shape[1]
         cu = attn.cu_seqlens_q.tolist()
+        request = torch.repeat_interleave(torch.arange(len(cu) - 1, device=x.device), attn.cu_seqlens_q.diff())
+        slots = index_meta.block_tables[request, positions // per_block].to(torch.long) * per_block + (
+            positions % per_block)
+        halves = (raw[:, : self.key_half], raw[:, self.key_half:])
+        for page, half in zip(pages, halves):
+            page.view(-1, self.entry)[slots, : half.shape[1]] = half.to(page.dtype)
+        out = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for i, c in enumerate(attn.context_lens_host):
             rows = slice(cu[i], cu[i + 1])
             if cu[i + 1] == cu[i]:
@@ -110,7 +131,9 @@ class IndexedAttention(GatedAttention):
             ids = attn.block_tables[i, : -(-c // kv_cache[0].shape[1])].to(torch.long)
             keys, values = (cache.index_select(0, ids).view(-1, self.num_kv_heads, self.head_dim)[:c]
                             for cache in kv_cache[:2])
-            raw_keys = index_cache[0].index_select(0, ids).view(-1, self.kv_width)[:c, : self.indexer.dim]
+            key_ids = index_meta.block_tables[i, : -(-c // per_block)].to(torch.long)
+            raw_keys = torch.cat([page.index_select(0, key_ids).view(-1, self.entry)[:c, : half.shape[1]]
+                                  for page, half in zip(pages, halves)], dim=-1)
             mask = self.indexer.visible(iq[rows], positions[rows], raw_keys, rope)
             out[rows] = _masked_attention(q[rows], keys, values, mask, self.scale)
         o = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
@@ -123,12 +146,20 @@ def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
 
 
+QUERY_TILE = 256  # queries scored at once: their [heads, rows, context] scores are a long step's largest tensor
+
+
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """q [L, H, D], k/v [C, kvh, D], mask [L, C] -> [L, H, D]; query head h reads kv head h // (H / kvh)."""
     length, heads, dim = q.shape
     kvh = k.shape[1]
-    grouped = q.float().view(length, kvh, heads // kvh, dim)
-    scores = torch.einsum("lkgd,ckd->kglc", grouped, k.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("kglc,ckd->lkgd", probs, v.float()).reshape(length, heads, dim).to(q.dtype)
+    keys, values = k.float(), v.float()
+    out = torch.empty_like(q)
+    for start in range(0, length, QUERY_TILE):
+        rows = slice(start, start + QUERY_TILE)
+        grouped = q[rows].float().view(-1, kvh, heads // kvh, dim)
+        scores = torch.einsum("lkgd,ckd->kglc", grouped, keys) * scale
+        probs = torch.softmax(scores.masked_fill_(~mask[rows], float("-inf")), dim=-1)
+        out[rows] = torch.einsum("kglc,ckd->lkgd", probs, values).reshape(-1, heads, dim).to(q.dtype)
+    return out

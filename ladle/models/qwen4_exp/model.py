@@ -5,7 +5,8 @@ MLP routed experts plus a gated shared expert, the residual as hc_count hyper-co
 
 Caches, per layer: an indexed layer's K/V paged as full attention; a linear layer's state slot (Gated DeltaNet's
 conv inputs and recurrent state, and on a PLE layer also PLE's conv inputs and n-gram context). After the model's
-own layers, one cache layer per indexed layer holds its indexer's raw keys, paged with the attention's spec.
+own layers, one cache layer per indexed layer holds its indexer's raw keys, a KV cache group of their own
+(ladle.models.qwen4_exp.indexed_attention.indexer_key_spec).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ladle.models.layers.gated_deltanet import GatedDeltaNet, state_spec
 from ladle.models.layers.moe import SharedExpertMoeBlock
 from ladle.models.qwen4_exp.config import check_config
 from ladle.models.qwen4_exp.hyper_connection import GatedResidual
-from ladle.models.qwen4_exp.indexed_attention import IndexedAttention
+from ladle.models.qwen4_exp.indexed_attention import IndexedAttention, indexer_key_spec
 from ladle.models.qwen4_exp.norms import ActivationGatedRMSNorm
 from ladle.models.qwen4_exp.ple import PleLayer, ple_state_shapes
 
@@ -57,19 +58,22 @@ class Qwen4ExpLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: tuple[torch.Tensor, ...], meta: BackendMetadata | StateMetadata,
-                index_cache: tuple[torch.Tensor, ...], rope: RotaryEmbedding) -> torch.Tensor:
+                index_cache: tuple[torch.Tensor, ...], index_meta: BackendMetadata | StateMetadata | None,
+                rope: RotaryEmbedding, ple: torch.Tensor | None) -> torch.Tensor:
+        """ple: the step's n-gram embeddings, staged by the model (PLE layers only)."""
         if self.ple is not None:
-            assert isinstance(meta, StateMetadata)
-            streams = streams + self.ple(streams, input_ids, cache[2:], meta)
+            assert isinstance(meta, StateMetadata) and ple is not None
+            streams = streams + self.ple.mix(streams, ple, cache[2:], meta)
         h, weights = self.attn_hyper_connection.mix(streams)
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             h = self.linear_attn(h, cache[:2], meta)
         else:
             assert self.self_attn is not None and isinstance(meta, BackendMetadata)
-            h = self.self_attn(h, positions, cos, sin, cache, index_cache, meta, rope)
+            assert isinstance(index_meta, BackendMetadata)
+            h = self.self_attn(h, positions, cos, sin, cache, index_cache, meta, index_meta, rope)
         assert weights is not None  # the layers' hyper-connections inject
         streams = GatedResidual.inject(streams, h, weights)
         h, weights = self.mlp_hyper_connection.mix(streams)
@@ -86,7 +90,7 @@ def cache_specs(config: Any, dtype: torch.dtype) -> list[CacheSpec]:
     ple_layers = set(config.ple_layer_ids or [])
     specs: list[CacheSpec] = [attention if kind == "indexed_attention" else ple if i + 1 in ple_layers else gdn
                               for i, kind in enumerate(config.layer_types)]
-    return specs + [attention] * config.layer_types.count("indexed_attention")
+    return specs + [indexer_key_spec(config, dtype)] * config.layer_types.count("indexed_attention")
 
 
 class Qwen4ExpModel(TextModel):
@@ -113,10 +117,17 @@ class Qwen4ExpModel(TextModel):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         streams = x.repeat(1, self.hc_count)
+        staged = {}
+        for i, layer in enumerate(self.layers):  # every PLE table's rows, before the first layer (PleLayer.stage)
+            ple, state = layer.ple, meta[self.layer_group[i]]
+            if isinstance(ple, PleLayer):
+                assert isinstance(state, StateMetadata)
+                staged[i] = ple.stage(input_ids, caches[i][2:], state)
         for i, layer in enumerate(self.layers):
             index = self.index_layer.get(i)
-            streams = layer(streams, input_ids, positions, cos, sin, caches[i], meta[self.layer_group[i]],
-                            () if index is None else caches[index], self.rotary_emb)
+            streams = layer(streams, positions, cos, sin, caches[i], meta[self.layer_group[i]],
+                            () if index is None else caches[index], None if index is None else
+                            meta[self.layer_group[index]], self.rotary_emb, staged.get(i))
         return self.hyper_connection_mixer.mix(streams)[0]
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladle.attention.metadata import StateMetadata
+from ladle.models.layers.host_table import HostTable
 from ladle.models.qwen4_exp.ngram_hash import NGramHash
 from ladle.models.qwen4_exp.norms import GroupedRMSNorm
 
@@ -33,7 +34,8 @@ def ple_state_shapes(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 class NGramEmbedding(nn.Module):
     """The table, named as HF names it (`ple_embedding.ngram_embedding.weight`): rows of all heads' tables
-    concatenated (padded to make_ngram_vocab_size_divisible_by), ple_embed_dim / heads wide."""
+    concatenated (padded to make_ngram_vocab_size_divisible_by), ple_embed_dim / heads wide; on the device or
+    held in host memory (HostTable)."""
 
     def __init__(self, config: Any, ple_index: int) -> None:
         super().__init__()
@@ -42,7 +44,7 @@ class NGramEmbedding(nn.Module):
         weight = torch.empty(self.hash.padded_rows, config.ple_embed_dim // heads)
         if not weight.is_meta:
             nn.init.normal_(weight)
-        self.ngram_embedding = nn.Embedding(self.hash.padded_rows, weight.shape[1], _weight=weight)
+        self.ngram_embedding = HostTable(weight)
 
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         """Token windows [T, ngram_size] -> [T, ple_embed_dim]."""
@@ -70,7 +72,17 @@ class PleLayer(nn.Module):
                 meta: StateMetadata) -> torch.Tensor:
         """streams [T, n * H], the step's token ids [T]; state: (conv inputs [slots, n * H, S], n-gram context
         [slots, ngram_size - 1]) -> what PLE adds to the streams [T, n * H]."""
-        emb = self.ple_embedding(self._windows(input_ids, state[1], meta))
+        return self.mix(streams, self.stage(input_ids, state, meta), state, meta)
+
+    def stage(self, input_ids: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
+        """The step's n-gram embeddings [T, ple_embed_dim], which depend on the token ids alone: the model stages
+        every PLE layer's before its first layer runs, so a table held in host memory is read ahead of the layer.
+        Moves the n-gram context in the state slot on."""
+        return self.ple_embedding(self._windows(input_ids, state[1], meta))
+
+    def mix(self, streams: torch.Tensor, emb: torch.Tensor, state: tuple[torch.Tensor, ...],
+            meta: StateMetadata) -> torch.Tensor:
+        """What PLE adds to the streams, given the step's staged embeddings."""
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.n, self.hidden))
         value = self.value_proj(emb)
         query = self.norm_query(streams).unflatten(-1, (self.n, self.hidden))

@@ -18,6 +18,10 @@ ARCHITECTURE_PARSERS: dict[str, tuple[str | None, str | None]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_coder", "qwen3"),
     "Qwen3_5MoeForCausalLM": ("qwen3_coder", "qwen3"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_coder", "qwen3"),
+    # Qwen3.8-Flash-Next (issue 60): Qwen3.5's lineage (its 248,320-token vocabulary and Gated DeltaNet layers);
+    # no release template is at hand to say otherwise, so Qwen3.5's formats, which --tool-call-parser overrides.
+    "Qwen4ExpForCausalLM": ("qwen3_coder", "qwen3"),
+    "Qwen4ExpForConditionalGeneration": ("qwen3_coder", "qwen3"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "deepseek_v4"),
     "LlamaForCausalLM": ("llama3_json", None),
 }
