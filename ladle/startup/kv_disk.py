@@ -61,13 +61,14 @@ def page_specs(layout: KVCacheLayout) -> tuple[TensorSpec, ...]:
 
 
 def checkpoint_specs(layout: KVCacheLayout) -> tuple[TensorSpec, ...]:
-    """A state checkpoint's row of each state tensor, then its tail page of each compressed layer, in the order the
-    host tier keeps them (ladle.runner.host_kv_cache.HostCheckpointCache; ladle.runner.kv_allocation)."""
+    """A state checkpoint's row of each state tensor, then its tail pages of each compressed layer (a K and a V page
+    unless key = value), in the order the host tier keeps them (ladle.runner.host_kv_cache.HostCheckpointCache;
+    ladle.runner.kv_allocation.allocate_checkpoint_tails)."""
     state = [(str(d), tuple(s)) for g in layout.state_groups for _ in g.layers for s, d in zip(g.spec.shapes,
                                                                                                  g.spec.dtypes)]
     spec = layout.groups[0].spec
-    page = (str(spec.dtype), (layout.block_size, spec.num_kv_heads, spec.head_dim))
-    return (*state, *(page for g in layout.tail_groups for _ in layout.groups[g].layers))
+    pages = (str(spec.dtype), (1 if spec.kv_shared else 2, layout.block_size, spec.num_kv_heads, spec.head_dim))
+    return (*state, *(pages for g in layout.tail_groups for _ in layout.groups[g].layers))
 
 
 def _file_fingerprint(h: hashlib._Hash, path: str) -> None:
