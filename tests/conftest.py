@@ -111,3 +111,22 @@ def tokenizer(tiny_qwen3_dir: str) -> Any:
 
     return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
 
+
+@pytest.fixture(scope="session")
+def q35_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3.5: three Gated DeltaNet layers, then full attention (vocab 512, 64 wide): the tiers' state model."""
+    return build_checkpoint(tmp_path_factory.mktemp("q35"), "qwen3_5", vocab_size=512, hidden_size=64,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
+
+
+@pytest.fixture(scope="session")
+def dsv4_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V4 with a small window, compressed and heavily compressed groups (test_deepseek_v4's small_window)."""
+    from test_deepseek_v4 import MIXES, build
+
+    path = tmp_path_factory.mktemp("dsv4")
+    build(path, 7, **MIXES["small_window"])
+    return str(path)

@@ -39,26 +39,6 @@ SEED = 1
 
 
 @pytest.fixture(scope="module")
-def q35_dir(tmp_path_factory) -> str:
-    from ladle.demo import build_checkpoint
-
-    return build_checkpoint(tmp_path_factory.mktemp("q35"), "qwen3_5", vocab_size=512, hidden_size=64,
-                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
-
-
-@pytest.fixture(scope="module")
-def dsv4_dir(tmp_path_factory) -> str:
-    from test_deepseek_v4 import MIXES, build
-
-    path = tmp_path_factory.mktemp("dsv4")
-    build(path, 7, **MIXES["small_window"])
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def qwen4_exp_dir(tmp_path_factory) -> str:
     from test_qwen4_exp import MIXES, _build
 

@@ -204,26 +204,6 @@ def test_on_cuda_the_host_tier_is_derived_from_the_pool_and_free_host_memory():
         _host_tier(EngineArgs(model="m", kv_offloading_size="-1"), off, layout, True, torch.device("cuda"), 100, 0, 64)
 
 
-@pytest.fixture(scope="module")
-def dsv4_dir(tmp_path_factory) -> str:
-    from test_deepseek_v4 import MIXES, build
-
-    path = tmp_path_factory.mktemp("dsv4")
-    build(path, 7, **MIXES["small_window"])
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def q35_dir(tmp_path_factory) -> str:
-    from ladle.demo import build_checkpoint
-
-    return build_checkpoint(tmp_path_factory.mktemp("q35"), "qwen3_5", vocab_size=512, hidden_size=64,
-                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
-
-
 @pytest.mark.slow
 def test_deepseek_v4_hits_through_the_host_tier_keep_their_tokens(dsv4_dir):
     """Sliding-window, compressed-sparse and heavily-compressed groups: each group's blocks are demoted and

@@ -185,16 +185,10 @@ def test_sessions_keep_their_prefixes_in_the_host_tier_too(tiny_qwen3_dir):
     assert tier is not None and tier.num_dropped > 0 and tier.num_promoted > 0
 
 
-def test_a_state_model_keeps_its_sessions_checkpoints(tiny_qwen3_dir, tmp_path):
+def test_a_state_model_keeps_its_sessions_checkpoints(q35_dir):
     """Qwen3.5 (Gated DeltaNet): a hit needs a state checkpoint; four checkpoint slots for three sessions, and
     one-offs that would take them: each session's latest checkpoint stays, and the tokens are the roomy run's."""
-    from ladle.demo import build_checkpoint
-
-    path = build_checkpoint(tmp_path, "qwen3_5", vocab_size=512, hidden_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                            linear_value_head_dim=16, max_position_embeddings=4096,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], seed=6)
+    path = q35_dir
     roomy, _ = _agents_and_one_offs(LLM(path, max_num_batched_tokens=64, num_kv_blocks=256), False, 2)
     args = dict(max_num_batched_tokens=64, num_kv_blocks=256, num_state_checkpoints=4)
     plain_out, plain = _agents_and_one_offs(LLM(path, **args), False, 2)
