@@ -73,7 +73,8 @@ def _activation_profile(args: EngineArgs, prov: Provenance, model: ConfiguredMod
     key = profile_cache.profile_key(hf_config, dtype, device, block_size=args.block_size, context=context,
                                     token_counts=token_counts, rows=rows, attention_backend=backend,
                                     tensor_parallel=(tp.rank, tp.world_size),
-                                    tiered=getattr(prov.settings.get("tiered_experts"), "value", ""))
+                                    tiered=getattr(prov.settings.get("tiered_experts"), "value", ""),
+                                    ple_table=getattr(prov.settings.get("ple_table"), "value", ""))
     use_cache = prov.put("profile_cache", bool(args.profile_cache))
     # A measured peak can never exceed the device's memory, so that bounds a cached one.
     cached = profile_cache.load(key, profile_shapes(token_counts, context, rows),
