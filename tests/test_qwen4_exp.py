@@ -250,21 +250,38 @@ def test_a_config_hfs_own_checks_refuse_is_a_clear_error(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_ple_tables_held_in_host_memory_give_hf_tokens(case):
+@pytest.mark.parametrize("where", ["host", "mmap"])
+def test_ple_tables_held_off_the_device_give_hf_tokens(case, where):
     """ple_table host: each step's rows gathered from the tables in host memory (on CPU the same memory, the same
-    gather as on a GPU), staged before the first layer; HF's tokens under the chunk cap, and from the prefix cache."""
+    gather as on a GPU), staged before the first layer; mmap: the tables left in the checkpoint's files, mapped, no
+    table-sized storage allocated, each step's rows read from the file. HF's tokens under the chunk cap, and from
+    the prefix cache."""
     from ladle.models.layers.host_table import HostTable
 
     path, _, prompts, want = case
-    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, ple_table="host")
+    llm = LLM(path, num_kv_blocks=128, max_num_batched_tokens=48, max_prefill_length=19, ple_table=where)
     tables = [m for m in llm.engine.core.model_executor.runner.model.modules() if isinstance(m, HostTable)]
     assert tables and all(t.on_host for t in tables)
     settings = llm.engine.core.config.settings
-    assert settings["ple_table"].value == "host" and settings["ple_table"].source == "explicit"
+    assert settings["ple_table"].value == where and settings["ple_table"].source == "explicit"
     line = next(x for x in llm.engine.core.config.report().splitlines() if "PLE n-gram tables" in x)
-    assert f"in {len(tables)} layers, in host memory (counted in the weights: on CPU it is the device's)" in line
+    if where == "host":
+        assert f"in {len(tables)} layers, in host memory (counted in the weights: on CPU it is the device's)" in line
+    else:
+        assert f"in {len(tables)} layers, in the checkpoint's files, mapped, not in the weights" in line
+        maps = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(".safetensors")]
+        mapped = [tuple(int(x, 16) for x in m[0].split("-")) for m in maps]
+        for t in tables:  # an empty stand-in for the weight, the rows in segments mapped from the checkpoint's files
+            assert t.weight.numel() == 0 and t.segments
+            assert all(any(lo <= p.data_ptr() < hi for lo, hi in mapped) for _, p in t.segments)
     assert ladle_tokens(llm, prompts, GREEDY) == want
     assert ladle_tokens(llm, prompts, GREEDY) == want
+
+
+def test_ple_table_mmap_needs_the_checkpoints_files(case):
+    path, _, _, _ = case
+    with pytest.raises(ValueError, match="ple_table=mmap reads the n-gram tables from the checkpoint's files"):
+        LLM(path, ple_table="mmap", load_format="dummy")
 
 
 def test_ple_table_is_refused_for_a_model_without_one(tmp_path):

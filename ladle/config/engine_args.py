@@ -18,7 +18,7 @@ ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
-PLE_TABLES = ("device", "host")  # where Qwen4-Exp's hashed n-gram tables live (ladle.startup.ple_tables)
+PLE_TABLES = ("device", "host", "mmap")  # where Qwen4-Exp's hashed n-gram tables live (ladle.startup.ple_tables)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names: FULL replays decode-only and mixed (prefill-carrying) steps from graphs, FULL_DECODE_ONLY only
 # decode-only steps.
@@ -132,8 +132,9 @@ class EngineArgs:
               "worker thread (default: on CUDA, where copies use the DMA engines; off on CPU, where they compete "
               "with the compute for the same cores)")
     ple_table: str | None = flag(
-        None, "Qwen4-Exp's PLE n-gram tables: device, or host (held in host memory; each step's rows gathered "
-              "from its token ids) (default: device when every weight fits the device, else host)",
+        None, "Qwen4-Exp's PLE n-gram tables: device, host (held in host memory; each step's rows gathered "
+              "from its token ids) or mmap (left in the checkpoint's files, each step's rows read when needed: "
+              "tables larger than RAM) (default: device when every weight fits the device, else host)",
         choices=PLE_TABLES)
     seed: int = flag(0)
 

@@ -1,5 +1,6 @@
 """Where PLE's hashed n-gram tables live (Qwen4-Exp's per-layer embeddings, the largest tensors of the model):
-on the device, or in host memory with each step's rows gathered from its token ids. Resolved while the model is
+on the device, in host memory with each step's rows gathered from its token ids, or left in the checkpoint's files
+with each step's rows read from there (mmap). Resolved while the model is
 on meta, before any storage exists, and shown as a line of the plan."""
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ _WIDENED = (torch.float32, torch.bfloat16, torch.float16)  # built in one of the
 
 @dataclass(frozen=True)
 class TablePlacement:
-    where: str  # device | host
+    where: str  # device | host | mmap
     nbytes: int  # the tables' bytes
     line: str  # the plan's line on them
 
     def apart(self, on_cpu: bool) -> int:
-        """Bytes the tables take out of the device's weights: in host memory, unless that is the device."""
-        return self.nbytes if self.where == "host" and not on_cpu else 0
+        """Bytes the tables take out of the device's weights: in host memory, unless that is the device; in the
+        files, on any device."""
+        return self.nbytes if self.where == "mmap" or (self.where == "host" and not on_cpu) else 0
 
 
 def ple_tables(model: nn.Module) -> list[NGramEmbedding]:
@@ -54,7 +56,8 @@ def place_tables(model: nn.Module, args: EngineArgs, budget: int, on_cpu: bool, 
     if where is None:
         return None
     for table in ple_tables(model):
-        table.ngram_embedding.on_host = where == "host"
+        table.ngram_embedding.on_host = where in ("host", "mmap")
+        table.ngram_embedding.from_files = where == "mmap"
     return TablePlacement(where, tables, table_line(tables, where, len(ple_tables(model)), on_cpu))
 
 
@@ -68,6 +71,9 @@ def resolve_ple_table(args: EngineArgs, tables: int, all_weights: int, budget: i
         if args.ple_table is not None:
             raise ValueError("ple_table is set, but this model has no PLE n-gram table; drop it")
         return None
+    if args.ple_table == "mmap" and args.load_format == "dummy":
+        raise ValueError("ple_table=mmap reads the n-gram tables from the checkpoint's files, and load_format dummy "
+                         "reads none; use ple_table host or device")
     if args.ple_table is not None:
         return put("ple_table", args.ple_table)
     if on_cpu:
@@ -81,7 +87,10 @@ def resolve_ple_table(args: EngineArgs, tables: int, all_weights: int, budget: i
 
 def table_line(tables: int, where: str, layers: int, on_cpu: bool) -> str:
     """The plan's line on the tables: where, and their bytes."""
-    if where == "host":
+    if where == "mmap":
+        place = ("in the checkpoint's files, mapped, not in the weights; each step's rows read from them when needed "
+                 "(the OS page cache keeps what was read)")
+    elif where == "host":
         place = "in host memory" + (" (counted in the weights: on CPU it is the device's)" if on_cpu else
                                     ", not in the weights") + "; each step's rows gathered from its token ids"
     else:

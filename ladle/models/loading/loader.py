@@ -23,6 +23,7 @@ from ladle.models.layers.host_table import HostTable
 from ladle.models.layers.ops import ModelOps, TorchOps, TritonOps, set_ops
 from ladle.models.loading.expert_tiering import expert_inventory, fill_dummy_experts, tier_experts
 from ladle.models.loading.huge_pages import move_weights_to_huge_pages
+from ladle.models.loading.mapped_tables import map_tables
 from ladle.models.registry import model_class_for, text_config_of
 from ladle.quantization.apply import (
     checkpoint_dtypes,
@@ -185,7 +186,7 @@ def load_model(
             gguf_blocks = use_ggml_linears(model, block_types) | use_ggml_embedding(model, block_types, dtype)
     apart = tables(model) if tables is not None else 0
     inventory = expert_inventory(model, config, dtype) if tiering is not None else None
-    if inventory is not None and apart and device.type != "cpu":
+    if inventory is not None and apart:
         inventory = dataclasses.replace(inventory, resident_bytes=inventory.resident_bytes - apart)
     tiered = tiering(inventory) if tiering is not None else None
     skip: set[str] = set()
@@ -201,6 +202,7 @@ def load_model(
                              "GGUF checkpoint yet; give a memory_budget that holds every expert")
         assert inventory is not None  # taken whenever tiering is given
         skip = tier_experts(model, tiered, dtype, device, files, renames, inventory.top_k)
+    mapped = map_tables(model, files, renames, dtype)
     _materialize(model, device, dtype)
     set_ops(model, select_ops(device))
     for module in model.modules():
@@ -213,8 +215,9 @@ def load_model(
         model.init_dummy_buffers(torch.Generator(device=device).manual_seed(seed))
     else:
         named = (gguf_weights(gguf, config, gguf_blocks) if gguf is not None else
-                 ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip)))
+                 ((renames.get(name, name), tensor) for name, tensor in iter_weights(files, slices, skip | mapped)))
         loaded = model.load_weights((name, _cast(name, tensor, dtype)) for name, tensor in named)
+        loaded |= {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, HostTable) and m.segments}
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")

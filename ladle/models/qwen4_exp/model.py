@@ -20,6 +20,7 @@ from torch import nn
 
 from ladle.attention.backend import BackendMetadata
 from ladle.attention.metadata import StateMetadata
+from ladle.experts.backing import TensorLocation
 from ladle.kv_cache.specs import AttentionSpec, CacheSpec, StateSpec, layer_groups
 from ladle.models.decoder import DecoderForCausalLM, TextModel
 from ladle.models.layers.decoder_layer import RotaryEmbedding, head_dim_of
@@ -176,6 +177,27 @@ class Qwen4ExpForCausalLM(DecoderForCausalLM):
             logger.info("%s: %s is not loaded (%d tensors); ladle serves the text model only",
                         type(self).__name__, what, count)
         return loaded | {name for name, rows in rows_filled.items() if rows == params[name].shape[0]}
+
+    def table_sources(self, locations: dict[str, TensorLocation],
+                      renames: dict[str, str]) -> dict[str, list[tuple[int, str, TensorLocation]]]:
+        """The checkpoint tensors holding each PLE table's rows (ple_table mmap: ladle.models.loading.mapped_tables),
+        named as load_weights reads them: whole, or as split_ngram_parts shards (shard J from row J x ceil(rows /
+        parts))."""
+        params = dict(self.named_parameters())
+        out: dict[str, list[tuple[int, str, TensorLocation]]] = {}
+        for raw, loc in locations.items():
+            name = renames.get(raw, raw)
+            if name.startswith("model.language_model."):
+                name = "model." + name.removeprefix("model.language_model.")
+            shard = _SHARD.match(name)
+            if shard:
+                param = shard.group(1) + ".weight"
+                if param in params:
+                    step = -(-params[param].shape[0] // self.config.split_ngram_parts)
+                    out.setdefault(param, []).append((int(shard.group(2)) * step, raw, loc))
+            elif name.endswith(".ngram_embedding.weight") and name in params:
+                out.setdefault(name, []).append((0, raw, loc))
+        return out
 
     def _copy_shard(self, params: dict[str, nn.Parameter], name: str, index: int, tensor: torch.Tensor,
                     rows_filled: dict[str, int]) -> None:
